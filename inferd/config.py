@@ -1,0 +1,52 @@
+"""Every limit and default of inferd, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16
+DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # token budget of one step (decodes + prefill chunks)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a HF folder or a .gguf file; None = the default SmolLM2 GGUF
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    record_logits: bool = False  # keep every sampled row's logits on the request (tests, debugging)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """auto: bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX), else fp32.
+    On a CPU without them bf16 matmuls are emulated and run ~100x slower than fp32."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name in names:
+        return names[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r} (choose auto, float32, bfloat16 or float16)")
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -1,0 +1,237 @@
+"""Engine: the step loop. schedule -> run the model -> sample -> update requests and emit per-step outputs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig, resolve_dtype
+from ..models.config import ModelConfig
+from .kv_cache import KVCacheManager
+from .request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
+from .runner import ModelRunner, kv_bytes_per_block
+from .sampler import Sampler, TokenLogprob
+from .scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""  # only when the engine has a tokenizer
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_tokens: int = 0  # tokens run through the model
+    num_sampled: int = 0
+    seconds: float = 0.0
+
+
+class _TextState:
+    """Incremental text of one request, holding back what could still become a stop string."""
+
+    def __init__(self, detokenizer, stops: list[str]):
+        self.detok = detokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # decoded so far
+        self.emitted = 0  # characters of text already sent
+
+    def add(self, token_ids: list[int], final: bool) -> tuple[str, str | None]:
+        """Returns (new text to emit, the stop string matched or None)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += self.detok.add(token_ids)
+        for s in self.stops:
+            i = self.text.find(s, max(0, start - len(s)))
+            if i != -1:
+                self.text = self.text[:i]
+                out = self.text[self.emitted:]
+                self.emitted = len(self.text)
+                return out, s
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out, None
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 dtype: torch.dtype, tokenizer=None):
+        self.config = config
+        self.model_config = model_config
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self._arrivals = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            eos.update(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.stats = StepStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        from ..models.loader import default_model_path, load_model
+
+        path = config.model or default_model_path()
+        dtype = resolve_dtype(config.dtype, config.device)
+        model, model_config, tokenizer = load_model(path, dtype=dtype, device=config.device,
+                                                    max_positions=config.max_model_len)
+        return cls(model, model_config, config, dtype, tokenizer)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
+                 ) -> None:
+        """Raises InvalidRequestError for a request that must never be scheduled."""
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        if not 0 < orig <= len(prompt_token_ids):
+            raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")
+        if len(prompt_token_ids) - orig >= params.max_tokens:
+            raise InvalidRequestError("a replayed request already has max_tokens output tokens")
+        total = orig + params.max_tokens
+        if orig >= self.max_model_len or total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context window is {self.max_model_len} tokens; the request needs {total} "
+                f"({orig} in the prompt, {params.max_tokens} in the completion)")
+        need = self.kv_cache.blocks_needed(total)
+        if need > self.kv_cache.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV blocks ({total} tokens) and the whole cache has "
+                f"{self.kv_cache.num_blocks}; it could never run")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, num_prompt_tokens: int | None = None) -> str:
+        """Queue a request. num_prompt_tokens < len(prompt_token_ids) replays a request whose first outputs are
+        the tail of prompt_token_ids (same seed: same tokens from there on)."""
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params, num_prompt_tokens)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.seed is None:
+            params = SamplingParams(**{**params.__dict__, "seed": random.getrandbits(63)})
+        req = Request(request_id, list(prompt_token_ids), params, arrival_seq=next(self._arrivals),
+                      num_prompt_tokens=len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens)
+        if self.config.record_logits:
+            req.debug_logits = []
+        self.requests[request_id] = req
+        if self.tokenizer is not None:
+            from ..models.tokenizer import IncrementalDetokenizer
+            self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+                                                params.stop)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a waiting or running request now and free its blocks. False if it is unknown or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._pending_outputs.append(self._final_output(req, []))
+        self._forget(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._text.pop(req.request_id, None)
+
+    def _final_output(self, req: Request, new_ids: list[int], text: str = "",
+                      logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        return RequestOutput(req.request_id, new_ids, text, req.is_finished,
+                             req.finish_reason.value if req.finish_reason else None, req.stop_reason,
+                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, logprobs or [])
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        t0 = time.perf_counter()
+        logits = self.runner.execute(sched)
+        samplers = [s.request for s in sched.scheduled if s.samples]
+        positions = [r.num_tokens for r in samplers]
+        tokens, logprobs = self.sampler.sample(logits, [r.params for r in samplers],
+                                               [r.params.seed for r in samplers], positions)
+        self.stats.num_steps += 1
+        self.stats.num_tokens += sched.num_tokens
+        self.stats.num_sampled += len(samplers)
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+        for i, (req, token) in enumerate(zip(samplers, tokens)):
+            if req.debug_logits is not None:
+                req.debug_logits.append(logits[i].clone())
+            req.token_ids.append(token)
+            outputs.append(self._after_token(req, token, logprobs[i]))
+        for s in sched.scheduled:
+            if not s.request.is_finished:
+                self.kv_cache.cache_full_blocks(s.request)
+        self.stats.seconds += time.perf_counter() - t0
+        return outputs
+
+    def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        reason, stop_reason = None, None
+        if not req.params.ignore_eos and token in self.eos_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif token in req.params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        text = ""
+        state = self._text.get(req.request_id)
+        if state is not None:
+            text, matched = state.add([token], final=reason is not None)
+            if matched is not None and reason is None:
+                reason, stop_reason = FinishReason.STOP, matched
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+            self._forget(req)
+        return self._final_output(req, [token], text, [logprob] if logprob else None)
+
+    # ---- offline use ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done = {i: self.requests[i] for i in ids}
+        while self.has_unfinished_requests():
+            self.step()
+        return [done[i] for i in ids]

@@ -1,0 +1,72 @@
+"""ModelRunner: owns the model and the KV cache tensors; turns a scheduled batch into tensors and runs it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.attention import AttentionMetadata, PrefillSeq, build_decode_mask
+from ..models.config import ModelConfig
+from .scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # zeros, not empty: padded decode slots are masked, and 0 * garbage could be NaN
+        self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
+                              config.head_dim, dtype=dtype, device=self.device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_hidden_layers)]
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
+        for s in sched.scheduled:
+            r = s.request
+            start, n = r.num_computed_tokens, s.num_tokens
+            row = len(input_ids)
+            input_ids.extend(r.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            blocks = r.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_lens.append(start + 1)
+                decode_tables.append(blocks[:(start + bs) // bs])
+            else:
+                used = -(-(start + n) // bs)
+                prefills.append(PrefillSeq(row, row + n, start, torch.tensor(blocks[:used], dtype=torch.long)))
+            if s.samples:
+                logits_rows.append(row + n - 1)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode_tokens=len(decode_lens),
+                                 prefills=prefills)
+        if decode_lens:
+            max_blocks = max(len(t) for t in decode_tables)
+            flat = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
+            meta.decode_block_indices = torch.tensor(flat, dtype=torch.long)
+            meta.decode_mask = build_decode_mask(decode_lens, max_blocks, bs, self.dtype)
+        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                logits_rows)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Runs one step; returns float32 logits for the rows that sample, in scheduled order."""
+        input_ids, positions, meta, logits_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if not logits_rows:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[logits_rows])

@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache (CPU path).
+
+The cache of one layer is a pair of tensors shaped [num_kv_heads, num_blocks, block_size, head_dim]. A token's KV
+lives at slot = block_id * block_size + offset. Decode queries (one token per sequence) are batched: their blocks are
+gathered in one index_select and attention runs as grouped batched matmuls, the query heads grouped per KV head,
+which on CPU is several times faster than torch's SDPA kernel for one-token queries (PERF-NOTES.md). Prefill chunks
+run one sequence at a time through SDPA, which is compute-bound anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # first row of this sequence's chunk in the flattened batch
+    end: int  # one past its last row
+    num_cached: int  # tokens of context already in the cache before this chunk
+    block_ids: torch.Tensor  # [num_blocks_of_seq] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot for each row's new KV
+    num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are one-token decodes, one per sequence
+    decode_block_indices: torch.Tensor | None = None  # [B * max_blocks] long, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] additive mask
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, n_kv, d] written to their slots."""
+    n_kv, num_blocks, block_size, d = k_cache.shape
+    k_cache.view(n_kv, num_blocks * block_size, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(n_kv, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, n_heads, d] -> [B, n_heads, d]."""
+    B, n_heads, d = q.shape
+    n_kv, _, block_size, _ = k_cache.shape
+    group = n_heads // n_kv
+    idx = meta.decode_block_indices
+    keys = k_cache.index_select(1, idx).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
+    values = v_cache.index_select(1, idx).view(n_kv, B, -1, d)
+    qg = q.view(B, n_kv, group, d).transpose(0, 1)  # [n_kv, B, group, d]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n_kv, B, group, ctx]
+    scores = scores + meta.decode_mask
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values)  # [n_kv, B, group, d]
+    return out.transpose(0, 1).reshape(B, n_heads, d)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, seq: PrefillSeq, scale: float) -> torch.Tensor:
+    """One sequence's chunk. q: [n, n_heads, d]; k, v: the chunk's own [n, n_kv, d] -> [n, n_heads, d]."""
+    n = q.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, d]
+    if seq.num_cached == 0:
+        keys = k.transpose(0, 1).unsqueeze(0)
+        values = v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        n_kv, _, block_size, d = k_cache.shape
+        ctx = seq.num_cached + n
+        keys = k_cache.index_select(1, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
+        values = v_cache.index_select(1, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
+        # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
+        rows = torch.arange(n).unsqueeze(1) + seq.num_cached
+        cols = torch.arange(ctx).unsqueeze(0)
+        mask = cols <= rows
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def build_decode_mask(context_lens: list[int], max_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    width = max_blocks * block_size
+    lens = torch.tensor(context_lens).unsqueeze(1)
+    invalid = torch.arange(width).unsqueeze(0) >= lens  # [B, width]
+    mask = torch.zeros(invalid.shape, dtype=dtype).masked_fill_(invalid, float("-inf"))
+    return mask.view(1, len(context_lens), 1, width)

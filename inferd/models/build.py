@@ -1,0 +1,29 @@
+"""load_model: a ready-to-run model, its config and tokenizer from a HF folder or a GGUF file."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions, dtype)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.build_tables(device)  # buffers are not in the checkpoint
+    model.load_hf_state_dict(state_dict)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               max_positions: int | None = None):
+    from .loader import load_model_config, load_state_dict
+    from .tokenizer import load_tokenizer
+
+    config = load_model_config(path)
+    state = load_state_dict(path, config, dtype)
+    model = build_model(config, state, dtype, device, max_positions)
+    return model, config, load_tokenizer(path)
