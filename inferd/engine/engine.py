@@ -94,6 +94,7 @@ class Engine:
             eos.update(tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.stats = StepStats()
+        self.last_schedule = None  # the most recent step's SchedulerOutput (tests, metrics)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -165,6 +166,11 @@ class Engine:
         self._forget(req)
         return True
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts), normally returned by the next step()."""
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -180,8 +186,8 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
+        outputs = self.take_pending_outputs()
+        sched = self.last_schedule = self.scheduler.schedule()
         if not sched:
             return outputs
         t0 = time.perf_counter()

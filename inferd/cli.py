@@ -1,0 +1,146 @@
+"""The `inferd` command: generate (one raw prompt, offline) and chat (a terminal chat), both streaming."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     DEFAULT_MAX_NUM_SEQS, EngineConfig)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2G)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 where the device computes it natively, else fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
+                   help="size of the KV cache pool (default 1G)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="running sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="token budget of one step")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _stream(engine, request_id: str, out=sys.stdout) -> None:
+    done = False
+    while not done:
+        for o in engine.step():
+            if o.request_id == request_id:
+                out.write(o.new_text)
+                out.flush()
+                done = done or o.finished
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine, InvalidRequestError, SamplingParams
+
+    engine = Engine.from_config(engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:
+        rid = engine.add_request(engine.tokenizer.encode(args.prompt), params)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _stream(engine, rid)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .engine import Engine, InvalidRequestError, SamplingParams
+
+    engine = Engine.from_config(engine_config(args))
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("inferd chat: type a message; /reset clears the conversation, Ctrl-D quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        try:
+            rid = engine.add_request(prompt, params)
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        text = []
+
+        class _Tee:
+            def write(self, s):
+                text.append(s)
+                sys.stdout.write(s)
+
+            def flush(self):
+                sys.stdout.flush()
+
+        _stream(engine, rid, _Tee())
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(text)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inferd", description="inferd: LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one raw prompt (no chat template) and print it as it streams")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat in the terminal with the model's chat template, streaming")
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--seed", type=int, default=None)
+    add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model architectures, loaders (safetensors, GGUF) and tokenizers: torch, numpy and tokenizer libraries only."""

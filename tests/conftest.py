@@ -1,0 +1,73 @@
+"""Session-wide fixtures: the default model, tiny models built and saved by the tests, a disk cache for
+Hugging Face reference outputs. Start-up (torch, GGUF dequantization, HF loads) is the cost of this suite, so
+everything expensive is built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE_DIR = REPO / ".cache"
+os.environ.setdefault("INFERD_CACHE_DIR", str(CACHE_DIR / "inferd"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    from inferd.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    from inferd.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf_path):
+    """(model, ModelConfig, Tokenizer) of the default model in float32, loaded once."""
+    import torch
+
+    from inferd.models.build import load_model
+
+    return load_model(smollm2_gguf_path, dtype=torch.float32)
+
+
+def _save_tiny(path: Path, arch: str, tokenizer, **overrides) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1234)
+    common = dict(vocab_size=len(tokenizer.hf), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_ids[0])
+    common.update(overrides)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    model.save_pretrained(path)
+    tokenizer.hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random Llama (untied head, Llama 3 rope scaling) with SmolLM2's tokenizer, saved as safetensors."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_tokenizer,
+                      tie_word_embeddings=False, rope_parameters=rope)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random Qwen2 (QKV bias, tied embeddings) with SmolLM2's tokenizer."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_tokenizer, tie_word_embeddings=True)

@@ -1,0 +1,234 @@
+"""Engine mechanics on a micro model: validation, abort, stop conditions, seeded sampling and replay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from inferd.engine import AsyncEngine, InvalidRequestError, SamplingParams, uniform_draw
+from inferd.engine.sampler import filtered_sorted_probs, sample_row
+
+PROMPT = [5, 17, 99, 23, 42, 7, 300, 11, 64, 128, 3, 9]
+
+
+def run(engine):
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "empty"),
+    (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+    (PROMPT, SamplingParams(max_tokens=-3), "max_tokens"),
+    (PROMPT, SamplingParams(top_p=0.0), "top_p"),
+    (PROMPT, SamplingParams(top_p=1.5), "top_p"),
+    (PROMPT, SamplingParams(temperature=-1), "temperature"),
+    (PROMPT, SamplingParams(temperature=float("nan")), "temperature"),
+    (PROMPT, SamplingParams(top_k=-2), "top_k"),
+    (PROMPT, SamplingParams(logprobs=21), "logprobs"),
+    (PROMPT, SamplingParams(stop=[""]), "stop"),
+    ([1, 2, 512], SamplingParams(), "vocabulary"),
+    ([1, -1], SamplingParams(), "vocabulary"),
+    (list(range(1, 250)), SamplingParams(max_tokens=16), "context window"),  # 249 + 16 > 256
+    (list(range(1, 300)), SamplingParams(max_tokens=1), "context window"),
+])
+def test_bad_input_is_refused_before_scheduling(micro, prompt, params, match):
+    engine = micro.engine()
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    engine.kv_cache.check_no_leaks()
+
+
+def test_request_larger_than_the_pool_is_refused(micro):
+    engine = micro.engine(blocks=4)  # 64 tokens in all
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=10))
+    rid = engine.add_request(list(range(1, 50)), SamplingParams(max_tokens=10))  # 59 tokens fits
+    run(engine)
+    assert rid not in engine.requests
+    engine.kv_cache.check_no_leaks()
+
+
+def test_duplicate_request_id_is_refused(micro):
+    engine = micro.engine()
+    engine.add_request(PROMPT, SamplingParams(), request_id="x")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request(PROMPT, SamplingParams(), request_id="x")
+    engine.abort("x")
+    engine.kv_cache.check_no_leaks()
+
+
+def test_abort_running_and_waiting_gives_blocks_back(micro):
+    engine = micro.engine(max_num_seqs=1)
+    running = engine.add_request(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    waiting = engine.add_request(PROMPT[:5], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.requests[running].block_ids and not engine.requests[waiting].block_ids
+    assert engine.abort(running) and engine.abort(waiting)
+    assert not engine.abort(running)  # already gone
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {running, waiting}
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    engine.kv_cache.check_no_leaks()
+
+
+def test_max_tokens_stop_tokens_and_eos(micro):
+    engine = micro.engine()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [full] = engine.generate([PROMPT], greedy)
+    assert full.num_output_tokens == 12 and full.finish_reason.value == "length"
+    out = full.output_token_ids
+    # a stop token id ends the request at its first occurrence (the stop token is the last output)
+    stop_tok = out[5]
+    [stopped] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                         stop_token_ids=[stop_tok]))
+    first = out.index(stop_tok)
+    assert stopped.output_token_ids == out[:first + 1]
+    assert stopped.finish_reason.value == "stop" and stopped.stop_reason == stop_tok
+    # EOS ends a request unless ignore_eos: make EOS the greedy choice by declaring it the model's EOS
+    engine.eos_token_ids = frozenset({out[0]})
+    [eos] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))
+    assert eos.output_token_ids == out[:1] and eos.stop_reason == out[0]
+    [ign] = engine.generate([PROMPT], greedy)
+    assert ign.output_token_ids == out
+    engine.kv_cache.check_no_leaks()
+
+
+def assert_sampling_match(a: list[int], b: list[int], logits: list[torch.Tensor], params, seed: int,
+                          start: int) -> None:
+    """Exactness rule for sampling: a divergence only where the uniform draw lies within 1e-3 of a CDF
+    boundary of the filtered distribution."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            probs, _ = filtered_sorted_probs(logits[i], params)
+            cdf = torch.cumsum(probs, 0)
+            u = uniform_draw(seed, start + i)
+            assert float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3, f"position {i}: {x} != {y}"
+            return
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    solo_engine = micro.engine(record_logits=True)
+    [solo] = solo_engine.generate([PROMPT], params)
+    # the same request inside a busy, chunked batch with other seeds
+    busy = micro.engine(max_num_batched_tokens=16, max_num_seqs=8)
+    others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
+    reqs = busy.generate([list(range(10 + s, 40 + s)) for s in range(5)] + [PROMPT], others + [params])
+    n = len(PROMPT)
+    assert_sampling_match(reqs[-1].output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n)
+    # replay from a prefix of its own output: the continuation is the same
+    for k in (1, 17, 39):
+        replay_engine = micro.engine()
+        rid = replay_engine.add_request(PROMPT + solo.output_token_ids[:k], params, num_prompt_tokens=n)
+        req = replay_engine.requests[rid]
+        run(replay_engine)
+        assert req.num_output_tokens == 40
+        assert_sampling_match(req.output_token_ids[k:], solo.output_token_ids[k:], solo.debug_logits[k:],
+                              params, 1234, n + k)
+    # a different seed gives a different sample
+    [other] = micro.engine().generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 4321}))
+    assert other.output_token_ids != solo.output_token_ids
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    params = SamplingParams(temperature=1.0)
+    probs = torch.softmax(logits, 0)
+    n = 4000
+    counts = torch.zeros(5)
+    for i in range(n):
+        counts[sample_row(logits, params, (i + 0.5) / n)] += 1
+    assert torch.allclose(counts / n, probs, atol=2 / n)  # a uniform grid of draws: exact up to rounding
+    # top_k=2 keeps the two most likely, renormalised
+    counts.zero_()
+    for i in range(n):
+        counts[sample_row(logits, SamplingParams(temperature=1.0, top_k=2), (i + 0.5) / n)] += 1
+    p2 = torch.softmax(logits[:2], 0)
+    assert counts[2:].sum() == 0 and torch.allclose(counts[:2] / n, p2, atol=2 / n)
+    # top_p keeps the smallest set whose mass reaches p
+    kept = (filtered_sorted_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))[0] > 0).sum()
+    assert int(kept) == int((torch.cumsum(probs.sort(descending=True).values, 0) < 0.7).sum()) + 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(micro):
+    engine = micro.engine()
+    [g] = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    [k1] = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3,
+                                                    ignore_eos=True))
+    [p0] = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=4,
+                                                    ignore_eos=True))
+    assert g.output_token_ids == k1.output_token_ids == p0.output_token_ids
+
+
+def test_logprobs(micro):
+    engine = micro.engine()
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0, logprobs=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == 3
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token is the top one
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_async_engine_streams_and_aborts_on_early_exit(micro):
+    engine = micro.engine()
+    aengine = AsyncEngine(engine)
+
+    async def main():
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        streamed = []
+        async for out in aengine.generate(PROMPT, params):
+            streamed += out.new_token_ids
+        # two concurrent streams, one left early
+        got = []
+
+        async def early():
+            gen = aengine.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
+            async for out in gen:
+                got.append(out)
+                if len(got) == 3:
+                    abandoned.append(engine.requests[out.request_id])
+                    break
+            await gen.aclose()  # what a server does when the client goes away
+        await asyncio.gather(early(), aengine_collect(aengine, PROMPT[:4]))
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate([], params):
+                pass
+        return streamed
+
+    abandoned = []
+
+    async def aengine_collect(ae, prompt):
+        return [o async for o in ae.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True))]
+
+    try:
+        streamed = asyncio.run(main())
+        [ref] = micro.engine().generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        assert streamed == ref.output_token_ids
+        # the abandoned request is aborted by the step thread; wait for it through the command queue
+        done = asyncio.run(_until(lambda: not engine.has_unfinished_requests()))
+        assert done
+        [req] = abandoned
+        assert req.finish_reason.value == "abort" and req.num_output_tokens < 200
+        engine.kv_cache.check_no_leaks()
+    finally:
+        aengine.shutdown()
+
+
+async def _until(cond, tries: int = 500) -> bool:
+    for _ in range(tries):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return False

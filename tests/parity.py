@@ -1,0 +1,97 @@
+"""Token-for-token comparison with Hugging Face transformers, by the exactness rule of DEVELOPERS.md.
+
+Greedy: our tokens must equal the reference; a divergence is accepted only at a position where the reference's
+top-2 logit gap is below max(1e-3, 10x the largest logit difference seen on the positions matched before it),
+i.e. where the choice was a near-tie. Nothing after that position can be compared. Never fewer tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REF_CACHE = Path(os.environ.get("INFERD_CACHE_DIR", ".cache/inferd")) / "hf-reference"
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    logits: np.ndarray  # [n, vocab] float32
+
+
+def hf_greedy(get_model, prompt: list[int], max_new_tokens: int, cache_key: str | None = None) -> Reference:
+    """transformers' generate, greedy, never stopping at EOS; cached on disk when cache_key is given.
+    get_model() returns the HF model; it is only called on a cache miss."""
+    path = None
+    if cache_key is not None:
+        import transformers
+
+        key = json.dumps([cache_key, transformers.__version__, torch.__version__, prompt, max_new_tokens])
+        path = REF_CACHE / (hashlib.sha256(key.encode()).hexdigest() + ".npz")
+        if path.exists():
+            data = np.load(path)
+            return Reference(data["tokens"].tolist(), data["logits"])
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = get_model().generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                generation_config=gen)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logits = torch.stack([step[0] for step in out.logits]).float().numpy()
+    assert len(tokens) == max_new_tokens, "the reference stopped early"
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, tokens=np.array(tokens), logits=logits)
+        os.replace(tmp, path)
+    return Reference(tokens, logits)
+
+
+def assert_greedy_parity(ours: list[int], our_logits: list[torch.Tensor] | None, ref: Reference,
+                         label: str = "") -> int:
+    """Returns the number of positions compared exactly (len(ref.tokens) when all match)."""
+    assert len(ours) == len(ref.tokens), f"{label}: {len(ours)} tokens, reference has {len(ref.tokens)}"
+    max_diff = 0.0
+    for i, (a, b) in enumerate(zip(ours, ref.tokens)):
+        if a != b:
+            row = torch.from_numpy(ref.logits[i])
+            top2 = torch.topk(row, 2).values
+            gap = float(top2[0] - top2[1])
+            allowed = max(1e-3, 10 * max_diff)
+            assert gap < allowed, (
+                f"{label}: token {i} is {a}, reference {b}; reference top-2 gap {gap:.3g} is no near-tie "
+                f"(allowed {allowed:.3g}; max logit diff so far {max_diff:.3g})")
+            return i
+        if our_logits is not None:
+            max_diff = max(max_diff, float((our_logits[i] - torch.from_numpy(ref.logits[i])).abs().max()))
+    return len(ours)
+
+
+def run_staggered(engine, prompts: list[list[int]], params, every: int = 2):
+    """Submit prompt k at step k*every while the engine keeps stepping; returns (requests in prompt order,
+    per-step trace of (num_decodes, num_prefill_chunks, num_finished))."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    pending = list(range(len(prompts)))
+    reqs = {}
+    trace = []
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i = pending.pop(0)
+            rid = engine.add_request(prompts[i], params[i])
+            reqs[i] = engine.requests[rid]
+        outs = engine.step()
+        sched = engine.last_schedule
+        n_pref = len(sched.scheduled) - sched.num_decodes if sched else 0
+        trace.append((sched.num_decodes if sched else 0, n_pref, sum(o.finished for o in outs)))
+        step += 1
+        assert step < 100_000
+    return [reqs[i] for i in range(len(prompts))], trace
