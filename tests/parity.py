@@ -41,8 +41,10 @@ def hf_greedy(get_model, prompt: list[int], max_new_tokens: int, cache_key: str 
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
                            pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    model = get_model()
+    model.generation_config.eos_token_id = None  # generate() falls back to it even when told None
     with torch.no_grad():
-        out = get_model().generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 generation_config=gen)
     tokens = out.sequences[0, len(prompt):].tolist()
     logits = torch.stack([step[0] for step in out.logits]).float().numpy()

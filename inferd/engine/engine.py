@@ -56,6 +56,8 @@ class _TextState:
         """Returns (new text to emit, the stop string matched or None)."""
         start = max(0, len(self.text) - self.hold)
         self.text += self.detok.add(token_ids)
+        if final:
+            self.text += self.detok.flush()  # an incomplete UTF-8 tail is emitted as the tokenizer decodes it
         for s in self.stops:
             i = self.text.find(s, max(0, start - len(s)))
             if i != -1:
@@ -98,7 +100,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        from ..models.loader import default_model_path, load_model
+        from ..models.build import load_model
+        from ..models.loader import default_model_path
 
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)

@@ -11,7 +11,7 @@ from .llama import LlamaForCausalLM
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, dtype)
+        model = LlamaForCausalLM(config, max_positions, dtype, device)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build_tables(device)  # buffers are not in the checkpoint
     model.load_hf_state_dict(state_dict)

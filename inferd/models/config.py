@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we can load from GGUF
+_MISSING = object()
 
 
 @dataclass
@@ -65,5 +68,78 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, fields: Mapping[str, Any], tensor_names: Collection[str]) -> "ModelConfig":
+        """Build a config from GGUF metadata (`fields`: key -> value, arrays as sequences) and the tensor names."""
+        arch = fields.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+
+        def get(key: str, default: Any = _MISSING) -> Any:
+            value = fields.get(f"{arch}.{key}", default)
+            if value is _MISSING:
+                raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+            return value
+
+        def scalar(key: str, default: Any = _MISSING) -> Any:
+            value = get(key, default)
+            if isinstance(value, (list, tuple)):  # some files store per-layer values
+                if not value or any(v != value[0] for v in value):
+                    raise ValueError(f"GGUF {arch}.{key} varies per layer ({value!r}); not supported")
+                value = value[0]
+            return value
+
+        hidden = int(scalar("embedding_length"))
+        heads = int(scalar("attention.head_count"))
+        kv_heads = int(scalar("attention.head_count_kv", heads) or heads)
+        head_dim = scalar("attention.key_length", None) or scalar("rope.dimension_count", None) or hidden // heads
+
+        vocab = fields.get(f"{arch}.vocab_size")
+        if vocab is None:
+            tokens = fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+            vocab = len(tokens)
+
+        rope_scaling: dict[str, Any] | None = None
+        scaling_type = fields.get(f"{arch}.rope.scaling.type")
+        factor = fields.get(f"{arch}.rope.scaling.factor")
+        if scaling_type is None and fields.get(f"{arch}.rope.scale_linear") is not None:  # legacy key
+            scaling_type, factor = "linear", fields[f"{arch}.rope.scale_linear"]
+        if scaling_type not in (None, "none") and factor not in (None, 0, 0.0, 1, 1.0):
+            rope_scaling = {"rope_type": str(scaling_type), "factor": float(factor)}
+            orig = fields.get(f"{arch}.rope.scaling.original_context_length")
+            if orig is not None:
+                rope_scaling["original_max_position_embeddings"] = int(orig)
+
+        eos_ids: list[int] = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            value = fields.get(key)
+            if value is not None and int(value) not in eos_ids:
+                eos_ids.append(int(value))
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+
+        names = set(tensor_names)
+        return cls(
+            architecture=str(arch),
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(scalar("feed_forward_length")),
+            num_hidden_layers=int(scalar("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(scalar("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(scalar("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(scalar("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )

@@ -1,0 +1,404 @@
+"""Tokenizer wrapper: safe encoding, chat templates without special-token injection, incremental detokenization.
+
+GGUF tokenizers are converted by transformers (slow, ~4.5 s) and cached with ``save_pretrained`` under
+``$INFERD_CACHE_DIR`` (default ``~/.cache/inferd``), keyed by the GGUF file's absolute path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .loader import generation_config_eos_ids, read_gguf_metadata
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "cache_dir", "gguf_tokenizer_cache_path", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+_CACHE_FORMAT = 1
+_META_FILE = "inferd_tokenizer.json"
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _dedup(ids: Iterable[int | None]) -> list[int]:
+    out: list[int] = []
+    for i in ids:
+        if i is not None and int(i) not in out:
+            out.append(int(i))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# loading and caching
+
+
+def cache_dir() -> Path:
+    """Root of inferd's cache: $INFERD_CACHE_DIR, else ~/.cache/inferd."""
+    root = os.environ.get("INFERD_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "inferd"
+
+
+def _gguf_cache_key(path: str) -> str:
+    import tokenizers
+    import transformers
+
+    st = os.stat(path)
+    raw = "\n".join(
+        [
+            os.path.abspath(path),
+            str(st.st_size),
+            str(st.st_mtime_ns),
+            f"transformers={transformers.__version__}",
+            f"tokenizers={tokenizers.__version__}",
+            f"format={_CACHE_FORMAT}",
+        ]
+    )
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()[:40]
+
+
+def gguf_tokenizer_cache_path(path: str | os.PathLike[str]) -> Path:
+    """Folder where the converted tokenizer of GGUF file `path` is (or would be) cached."""
+    return cache_dir() / "tokenizers" / _gguf_cache_key(os.path.abspath(os.fspath(path)))
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> "Tokenizer":
+    """Load the tokenizer of a HF model folder or of a .gguf file (converted once, then cached)."""
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        hf = AutoTokenizer.from_pretrained(path)
+        config_eos: list[int] = []
+        config_file = os.path.join(path, "config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+            config_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return Tokenizer(hf, eos_token_ids=generation_config_eos_ids(path) + config_eos, name_or_path=path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    if not path.lower().endswith(".gguf"):
+        raise ValueError(f"tokenizer path {path} is neither a model folder nor a .gguf file")
+
+    cached = gguf_tokenizer_cache_path(path)
+    damaged = False
+    if (cached / _META_FILE).is_file():
+        try:
+            with open(cached / _META_FILE, encoding="utf-8") as f:
+                meta = json.load(f)
+            hf = AutoTokenizer.from_pretrained(str(cached))
+            return Tokenizer(hf, eos_token_ids=meta["eos_token_ids"], name_or_path=path)
+        except Exception:  # a damaged cache entry: convert again and replace it
+            logger.warning("ignoring unreadable tokenizer cache %s", cached, exc_info=True)
+            damaged = True
+
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    fields = read_gguf_metadata(path).fields
+    gguf_eos = _dedup(fields.get(key) for key in _GGUF_EOS_KEYS)
+    _write_cache(cached, hf, {"eos_token_ids": gguf_eos, "source": path}, replace=damaged)
+    return Tokenizer(hf, eos_token_ids=gguf_eos, name_or_path=path)
+
+
+def _write_cache(target: Path, hf: Any, meta: dict[str, Any], replace: bool = False) -> None:
+    """Save `hf` into `target` atomically: write a temp folder next to it, then rename it into place.
+
+    Readers only ever see a complete entry (or none). If another process got there first its entry is kept, unless
+    `replace` is set (the existing entry could not be loaded).
+    """
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+        hf.save_pretrained(tmp)
+        with open(os.path.join(tmp, _META_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+        if (target / _META_FILE).is_file() and not replace:
+            return  # another process finished first
+        if target.exists():  # a damaged or unreadable entry
+            shutil.rmtree(target, ignore_errors=True)
+        os.rename(tmp, target)  # atomic; fails if another process renamed its copy in meanwhile, which is fine
+        tmp = None
+    except OSError:
+        if not (target / _META_FILE).is_file():
+            logger.warning("could not write tokenizer cache %s", target, exc_info=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the tokenizer
+
+
+class Tokenizer:
+    """A HF tokenizer plus the stop set, injection-safe encoding and chat templating.
+
+    Encoding goes through a lock because transformers toggles a flag on the shared Rust tokenizer to implement
+    ``split_special_tokens``; use the methods here (not ``hf`` directly) from concurrent threads.
+    """
+
+    def __init__(self, hf: Any, eos_token_ids: Iterable[int] = (), name_or_path: str | None = None):
+        self.hf = hf
+        self.name_or_path = name_or_path
+        self.eos_token_ids: list[int] = _dedup([*eos_token_ids, hf.eos_token_id])
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)
+        self._lock = threading.RLock()
+        added = hf.added_tokens_decoder  # id -> AddedToken
+        self._special_tokens = {tok.content: (i, tok) for i, tok in added.items() if tok.special}
+        self._special_ids = {i for i, _ in self._special_tokens.values()}
+        contents = sorted(self._special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, contents))) if contents else None
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):  # named templates
+            template = template.get("default")
+        return template or None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize user text; text that looks like a special token is encoded as plain text."""
+        return self._encode_plain(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def _encode_plain(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
+
+    # ---- chat template
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Render the chat template and tokenize it without adding special tokens again.
+
+        Special tokens written by the template become special ids; special-token-looking text inside message
+        contents never does. For ordinary messages the result equals ``hf.apply_chat_template(..., tokenize=True)``.
+        """
+        if kwargs.get("chat_template") is None and self.chat_template is None:
+            raise ValueError(
+                f"the tokenizer of {self.name_or_path or 'this model'} has no chat template; "
+                "use the completions API (raw prompt) or pass chat_template="
+            )
+        segments = self._render_segments(messages, add_generation_prompt, kwargs)
+        full = "".join(text for text, _ in segments)
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for text, is_content in segments:
+            if is_content and text:
+                spans.append((pos, pos + len(text)))
+            pos += len(text)
+
+        if getattr(self.hf, "is_fast", False):
+            # Usual case: tokenize the whole string like HF does (exact parity, including across template/content
+            # boundaries), then check that no special token came from message content.
+            with self._lock:
+                enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=False)
+            ids = list(enc["input_ids"])
+            starts = [s for s, _ in spans]
+            injected = False
+            for token_id, (s, e) in zip(ids, enc["offset_mapping"]):
+                if token_id in self._special_ids:
+                    k = bisect.bisect_right(starts, s) - 1  # last content span starting at or before s
+                    if (k >= 0 and s < spans[k][1]) or (k + 1 < len(spans) and spans[k + 1][0] < e):
+                        injected = True
+                        break
+            if not injected:
+                return ids
+        return self._encode_segments(segments)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def _render_segments(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> list[tuple[str, bool]]:
+        """The rendered chat as (text, is_message_content) pieces.
+
+        Renders once with every message content replaced by a unique alphanumeric sentinel (so the template's own
+        text is known exactly) and once with the real contents (so template filters like ``| trim`` are honoured).
+        """
+        contents: list[str] = []
+        nonce = secrets.token_hex(8)
+        while any(nonce in str(m) for m in messages):  # practically never
+            nonce = secrets.token_hex(8)
+
+        def sentinel(text: str) -> str:
+            contents.append(text)
+            return f"inferd{nonce}s{len(contents) - 1}e"
+
+        masked = []
+        for message in messages:
+            m = dict(message)
+            content = m.get("content")
+            if isinstance(content, str):
+                m["content"] = sentinel(content)
+            elif isinstance(content, list):  # OpenAI-style parts
+                parts = []
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        part = {**part, "text": sentinel(part["text"])}
+                    parts.append(part)
+                m["content"] = parts
+            masked.append(m)
+
+        rendered_masked = self._render(masked, add_generation_prompt, kwargs)
+        pieces = re.split(f"inferd{nonce}s(\\d+)e", rendered_masked)  # [T0, k1, T1, k2, ..., Tn]
+        template_pieces = pieces[0::2]
+        content_ids = [int(k) for k in pieces[1::2]]
+
+        plain: list[tuple[str, bool]] = [(template_pieces[0], False)]
+        for k, t in zip(content_ids, template_pieces[1:]):
+            plain += [(contents[k], True), (t, False)]
+        rendered = self._render(messages, add_generation_prompt, kwargs)
+        if "".join(text for text, _ in plain) == rendered:
+            return plain
+
+        # The template transforms contents (e.g. Llama 3's `content | trim`): find each one's rendered form.
+        segments: list[tuple[str, bool]] = [(template_pieces[0], False)]
+        pos = len(template_pieces[0])
+        ok = rendered.startswith(template_pieces[0])
+        for k, t in zip(content_ids, template_pieces[1:]):
+            if not ok:
+                break
+            c = contents[k]
+            for candidate in _dedup_str((c, c.strip(), c.rstrip(), c.lstrip())):
+                if rendered.startswith(candidate + t, pos):
+                    segments += [(candidate, True), (t, False)]
+                    pos += len(candidate) + len(t)
+                    break
+            else:
+                ok = False
+        if ok and pos == len(rendered):
+            return segments
+        logger.warning("chat template transforms message contents unpredictably; tokenizing them untransformed")
+        return plain
+
+    def _encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Tokenize template text with its special tokens parsed and content text with them split."""
+        ids: list[int] = []
+        buf: list[str] = []
+        strip_next = False  # the previous special token eats whitespace on its right (AddedToken.rstrip)
+
+        def flush() -> None:
+            text = "".join(buf)
+            buf.clear()
+            if text:
+                ids.extend(self._encode_plain(text))
+
+        for text, is_content in segments:
+            if is_content or self._special_re is None:
+                parts: list[tuple[str, bool]] = [(text, False)]
+            else:
+                parts, last = [], 0
+                for m in self._special_re.finditer(text):
+                    parts += [(text[last : m.start()], False), (m.group(0), True)]
+                    last = m.end()
+                parts.append((text[last:], False))
+            for part, is_special in parts:
+                if not is_special:
+                    if strip_next and part:
+                        part = part.lstrip()
+                        strip_next = not part
+                    buf.append(part)
+                    continue
+                token_id, token = self._special_tokens[part]
+                if getattr(token, "lstrip", False) and buf:
+                    buf[:] = ["".join(buf).rstrip()]
+                flush()
+                ids.append(token_id)
+                strip_next = bool(getattr(token, "rstrip", False))
+        flush()
+        return ids
+
+
+def _dedup_str(items: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for s in items:
+        if s not in out:
+            out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# incremental detokenization
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas.
+
+    Decodes a small window of preceding tokens together with the new ones and emits only the new characters
+    (the prefix_offset/read_offset technique of vLLM and TGI), so leading spaces come out right; holds text back while
+    it ends with U+FFFD (an incomplete UTF-8 character). Call :meth:`flush` at the end of generation to emit text
+    still held back (only ever invalid UTF-8). ``"".join(add(...) outputs) + flush()`` equals
+    ``tokenizer.decode(generated_ids, skip_special_tokens)``.
+    """
+
+    _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first generated ones
+    _COMPACT_AT = 64  # drop token ids before the window once this many have piled up
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-(self._PROMPT_CONTEXT + 1) :]) if len(prompt_ids) else []
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(self._read_offset - self._PROMPT_CONTEXT, 0)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._chunks: list[str] = []
+        self._text: str | None = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if self._text is None:
+            self._text = "".join(self._chunks)
+        return self._text
+
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        """Feed generated token ids; return the newly completed text ("" if nothing is complete yet)."""
+        if len(new_token_ids):
+            self._ids.extend(int(i) for i in new_token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete/invalid UTF-8 tail, as U+FFFD); call when generation ends."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if len(self._ids) == self._read_offset:
+            return ""
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(self._prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if self._prefix_offset >= self._COMPACT_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self._chunks.append(delta)
+        self._text = None
+        return delta
