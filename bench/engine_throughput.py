@@ -49,6 +49,19 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
+def read_bandwidth() -> float:
+    """Bytes/s of streaming reads (a matrix-vector product over 512 MB): what a batch-1 decode step can reach."""
+    m = torch.ones(128 * 1024, 1024)
+    v = torch.ones(1024)
+    torch.mv(m, v)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mv(m, v)
+        best = min(best, time.perf_counter() - t)
+    return m.numel() * m.element_size() / best
+
+
 def run_inferd(model, cfg, dtype, prompts, out_tokens) -> float:
     engine = Engine(model, cfg, EngineConfig(kv_cache_bytes=3 << 30, max_num_seqs=len(prompts),
                                              max_num_batched_tokens=512, max_model_len=1024), dtype)
@@ -103,10 +116,11 @@ def main() -> int:
     path = default_model_path()
     cfg = load_model_config(path)
     prompts = make_prompts(args.requests, cfg.vocab_size)
-    bw = copy_bandwidth()
+    bw, rbw = copy_bandwidth(), read_bandwidth()
     print(f"model {os.path.basename(path)}; {args.requests} requests, prompts 100-300 tokens "
           f"(total {sum(map(len, prompts))}), {args.output_tokens} output tokens each; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)")
+          f"{torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read+write), "
+          f"streaming read {rbw / 1e9:.1f} GB/s")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         if dtype == torch.bfloat16 and not cpu_has_native_bf16():
@@ -114,11 +128,12 @@ def main() -> int:
                   "torch emulates bf16 matmuls here at ~1 GFLOP/s")
             continue
         model = build_model(cfg, load_state_dict(path, cfg, dtype), dtype, max_positions=1024)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = model.weight_bytes()
         step = decode_step_ms(model, cfg, dtype)
-        floor = weight_bytes / bw * 1e3
-        print(f"[{name}] batch-1 decode step {step:.1f} ms; bandwidth floor {floor:.1f} ms "
-              f"({weight_bytes / 1e6:.0f} MB of weights): {floor / step:.0%} of the floor")
+        floor, rfloor = weight_bytes / bw * 1e3, weight_bytes / rbw * 1e3
+        print(f"[{name}] batch-1 decode step {step:.1f} ms; {weight_bytes / 1e6:.0f} MB of weights; "
+              f"bandwidth floor {floor:.1f} ms by copy bandwidth ({floor / step:.0%} of it), "
+              f"{rfloor:.1f} ms by streaming-read bandwidth ({rfloor / step:.0%})")
         ours = run_inferd(model, cfg, dtype, prompts, args.output_tokens)
         print(f"[{name}] inferd engine: {ours:.0f} output tok/s", flush=True)
         del model

@@ -40,6 +40,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(n_kv, num_blocks * block_size, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [n_kv, num_blocks, bs, d] -> [n_kv, len(block_ids), bs, d]. One dim-0 index_select per head: each
+    head's blocks are contiguous rows, and a dim-0 gather of rows runs ~9x faster here than index_select on
+    dim 1 of the 4-D tensor (19.6 MB: 1.1 ms against 9.9 ms, docs/benchmarks.md)."""
+    n_kv, _, bs, d = cache.shape
+    out = cache.new_empty((n_kv, block_ids.numel(), bs, d))
+    for h in range(n_kv):
+        torch.index_select(cache[h], 0, block_ids, out=out[h])
+    return out
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [B, n_heads, d] -> [B, n_heads, d]."""
@@ -47,8 +58,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n_kv, _, block_size, _ = k_cache.shape
     group = n_heads // n_kv
     idx = meta.decode_block_indices
-    keys = k_cache.index_select(1, idx).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
-    values = v_cache.index_select(1, idx).view(n_kv, B, -1, d)
+    keys = gather_blocks(k_cache, idx).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
+    values = gather_blocks(v_cache, idx).view(n_kv, B, -1, d)
     qg = q.view(B, n_kv, group, d).transpose(0, 1)  # [n_kv, B, group, d]
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n_kv, B, group, ctx]
     scores = scores + meta.decode_mask
@@ -69,8 +80,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     else:
         n_kv, _, block_size, d = k_cache.shape
         ctx = seq.num_cached + n
-        keys = k_cache.index_select(1, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
-        values = v_cache.index_select(1, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
+        keys = gather_blocks(k_cache, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
+        values = gather_blocks(v_cache, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
         # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
         rows = torch.arange(n).unsqueeze(1) + seq.num_cached
         cols = torch.arange(ctx).unsqueeze(0)

@@ -11,11 +11,13 @@ from .llama import LlamaForCausalLM
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, dtype, device)
+        model = LlamaForCausalLM(config, max_positions, dtype)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build_tables(device)  # buffers are not in the checkpoint
     model.load_hf_state_dict(state_dict)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -17,39 +17,44 @@ from .rope import RotaryEmbedding, apply_rotary
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with the weight stored in whichever layout multiplies faster.
+    """y = x W^T + b. On CPU the weight is repacked once, after loading, into oneDNN's blocked layout and
+    multiplied by oneDNN: on this class of CPU (MKL sgemm on AMD Zen, docs/benchmarks.md) that is 1.1-1.5x faster
+    than F.linear from batch 1 (a GEMV) to batch 64. Elsewhere (CUDA, or where oneDNN refuses the dtype) the plain
+    F.linear runs."""
 
-    On this class of CPU (MKL sgemm on AMD Zen, measured in PERF-NOTES.md / docs/benchmarks.md) x @ W with W
-    stored [in, out] runs up to 1.7x faster than F.linear with W [out, in] when out >= in (q/k/v, gate/up,
-    lm_head), and slower when out < in (down_proj). GPUs take the standard layout."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, transposed: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
-        self.transposed = transposed
-        shape = (in_features, out_features) if transposed else (out_features, in_features)
-        self.weight = nn.Parameter(torch.empty(shape))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN layout; not a parameter (state_dict can't hold it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.matmul(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """weight in the [out, in] layout of checkpoints."""
-        expected = self.weight.shape[::-1] if self.transposed else self.weight.shape
-        if tuple(weight.shape) != tuple(expected):
-            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {tuple(expected)}")
-        self.weight.copy_(weight.t() if self.transposed else weight)
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {tuple(self.weight.shape)}")
+        self.weight.copy_(weight)
         if self.bias is not None:
             self.bias.copy_(bias)
 
-
-def _transpose_for(device, in_features: int, out_features: int) -> bool:
-    return torch.device(device).type == "cpu" and out_features >= in_features
+    @torch.no_grad()
+    def pack(self) -> bool:
+        """Repack for oneDNN on CPU; frees the plain weight. False (and no change) where not possible."""
+        if self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            probe = torch.ones(1, self.weight.shape[1], dtype=self.weight.dtype)
+            torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
+        except RuntimeError:  # e.g. bf16 on a CPU without AVX-512: oneDNN refuses
+            return False
+        self.packed = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, device):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -74,8 +79,8 @@ class Attention(nn.Module):
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         h, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
-        self.qkv_proj = Linear(h, qkv, config.attention_bias, _transpose_for(device, h, qkv))
-        self.o_proj = Linear(self.q_size, h, False, _transpose_for(device, self.q_size, h))
+        self.qkv_proj = Linear(h, qkv, config.attention_bias)
+        self.o_proj = Linear(self.q_size, h, False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -101,11 +106,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, device):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         h, self.inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * self.inter, False, _transpose_for(device, h, 2 * self.inter))
-        self.down_proj = Linear(self.inter, h, False, _transpose_for(device, self.inter, h))
+        self.gate_up_proj = Linear(h, 2 * self.inter, False)
+        self.down_proj = Linear(self.inter, h, False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -113,12 +118,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, device)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, device)
+        self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
@@ -126,18 +131,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
         h, v = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(v, h)
-        self.layers = nn.ModuleList(DecoderLayer(config, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        # a tied head keeps its own copy when the embedding's [vocab, hidden] layout is not the fast one
-        self.lm_head = None
-        if not config.tie_word_embeddings or _transpose_for(device, h, v):
-            self.lm_head = Linear(h, v, False, _transpose_for(device, h, v))
+        # a tied head still gets its own Linear: on CPU it is repacked, and the embedding keeps its plain rows
+        self.lm_head = Linear(h, v, False)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -149,8 +151,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
@@ -173,8 +173,7 @@ class LlamaForCausalLM(nn.Module):
         embed = take("model.embed_tokens.weight")
         put("embed_tokens.weight", embed)
         put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            self.lm_head.load(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
+        self.lm_head.load(embed if cfg.tie_word_embeddings else take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
@@ -187,3 +186,20 @@ class LlamaForCausalLM(nn.Module):
             mlp = src + "mlp."
             layer.mlp.gate_up_proj.load(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
             layer.mlp.down_proj.load(take(mlp + "down_proj.weight"))
+
+    def pack_weights(self) -> int:
+        """Repack every Linear for the device's fastest kernel; returns how many were repacked."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the tied head counted once)."""
+        total = 0
+        for m in self.modules():
+            if isinstance(m, Linear):
+                w = m.packed if m.packed is not None else m.weight
+                total += w.numel() * w.element_size() + (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0)
+            elif isinstance(m, RMSNorm):
+                total += m.weight.numel() * m.weight.element_size()
+        if not self.config.tie_word_embeddings:
+            total += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
