@@ -40,6 +40,16 @@ def smollm2_fp32(smollm2_gguf_path):
     return load_model(smollm2_gguf_path, dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2_fp32(smollm2_gguf_path):
+    """transformers' own load of the default GGUF in float32 (~18 s): the reference the engine is checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm2_gguf_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
 def _save_tiny(path: Path, arch: str, tokenizer, **overrides) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -15,7 +15,7 @@ from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
 from .request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, kv_bytes_per_block
-from .sampler import Sampler, TokenLogprob
+from .sampler import Sampler, TokenLogprob, apply_penalties
 from .scheduler import Scheduler
 
 
@@ -196,9 +196,10 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.execute(sched)
         samplers = [s.request for s in sched.scheduled if s.samples]
+        raw_logits = self._process_logits(logits, samplers)
         positions = [r.num_tokens for r in samplers]
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in samplers],
-                                               [r.params.seed for r in samplers], positions)
+                                               [r.params.seed for r in samplers], positions, raw_logits)
         self.stats.num_steps += 1
         self.stats.num_tokens += sched.num_tokens
         self.stats.num_sampled += len(samplers)
@@ -206,7 +207,7 @@ class Engine:
             s.request.num_computed_tokens += s.num_tokens
         for i, (req, token) in enumerate(zip(samplers, tokens)):
             if req.debug_logits is not None:
-                req.debug_logits.append(logits[i].clone())
+                req.debug_logits.append(raw_logits[i].clone())
             req.token_ids.append(token)
             outputs.append(self._after_token(req, token, logprobs[i]))
         for s in sched.scheduled:
@@ -214,6 +215,24 @@ class Engine:
                 self.kv_cache.cache_full_blocks(s.request)
         self.stats.seconds += time.perf_counter() - t0
         return outputs
+
+    @torch.inference_mode()
+    def _process_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Penalties and min_tokens, in place on the rows that ask for them. Returns the raw logits (a copy when
+        any row changed): logprobs and recorded logits are those of the model, as in vLLM."""
+        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return logits
+        raw = logits.clone()
+        for i in rows:
+            req = reqs[i]
+            if req.params.has_penalties:
+                apply_penalties(logits[i], req.token_ids[:req.num_prompt_tokens], req.output_token_ids, req.params)
+            if req.num_output_tokens < req.params.min_tokens:
+                blocked = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(self.eos_token_ids))
+                if blocked:
+                    logits[i, blocked] = float("-inf")
+        return raw
 
     def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         reason, stop_reason = None, None

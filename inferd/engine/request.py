@@ -23,6 +23,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's and the top-n
     priority: int = 0  # lower value = more important (served first, preempted last)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in prompt or output divided (>0) / multiplied (<0)
+    min_tokens: int = 0  # EOS and stop token ids are blocked until this many tokens were generated
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,12 +42,24 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 10):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class RequestStatus(enum.Enum):

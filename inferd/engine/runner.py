@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from ..models.attention import AttentionMetadata, PrefillSeq, build_decode_mask
+from ..models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, build_decode_mask
 from ..models.config import ModelConfig
 from .scheduler import SchedulerOutput
 
@@ -22,6 +22,23 @@ def keep_freed_memory_mapped() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+
+
+def split_by_length(lens: list[int], block_size: int, max_waste: float = 0.25) -> list[tuple[int, int]]:
+    """Cut decode rows (sorted by context length, shortest first) into contiguous groups whose padding to the
+    group's longest context stays under max_waste of the gathered blocks: the KV gather and attention read
+    max_blocks x rows, so one group mixing 100- and 400-token contexts reads ~2x what it needs."""
+    groups: list[tuple[int, int]] = []
+    lo, used = 0, 0
+    for i, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        if i > lo and blocks * (i + 1 - lo) > (1 + max_waste) * (used + blocks):
+            groups.append((lo, i))
+            lo, used = i, 0
+        used += blocks
+    if lens:
+        groups.append((lo, len(lens)))
+    return groups
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -66,18 +83,24 @@ class ModelRunner:
                 decode_tables.append(blocks[:(start + bs) // bs])
             else:
                 used = -(-(start + n) // bs)
-                prefills.append(PrefillSeq(row, row + n, start, torch.tensor(blocks[:used], dtype=torch.long)))
+                prefills.append(PrefillSeq(row, row + n, start,
+                                           torch.tensor(blocks[:used], dtype=torch.long, device=self.device)))
             if s.samples:
                 logits_rows.append(row + n - 1)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decode_tokens=len(decode_lens),
-                                 prefills=prefills)
-        if decode_lens:
-            max_blocks = max(len(t) for t in decode_tables)
-            flat = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
-            meta.decode_block_indices = torch.tensor(flat, dtype=torch.long)
-            meta.decode_mask = build_decode_mask(decode_lens, max_blocks, bs, self.dtype)
-        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                logits_rows)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 num_decode_tokens=len(decode_lens), prefills=prefills)
+        meta.decode_groups = [
+            DecodeGroup(lo, hi, *self._decode_tables(decode_tables[lo:hi], decode_lens[lo:hi]))
+            for lo, hi in split_by_length(decode_lens, bs)]
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
+
+    def _decode_tables(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        max_blocks = max(len(t) for t in tables)
+        flat = [b for t in tables for b in t + [0] * (max_blocks - len(t))]
+        return (torch.tensor(flat, dtype=torch.long, device=self.device),
+                build_decode_mask(lens, max_blocks, self.block_size, self.dtype).to(self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
@@ -85,5 +108,5 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not logits_rows:
-            return torch.empty(0, self.config.vocab_size)
+            return torch.empty(0, self.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[logits_rows])

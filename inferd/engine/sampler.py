@@ -50,6 +50,22 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     return int(ids[min(idx, int((probs > 0).sum()) - 1)])
 
 
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                    params: SamplingParams) -> None:
+    """In place on one row. Output tokens are those after the original prompt, so a replayed request (whose
+    prompt includes its earlier outputs) is penalised exactly as the original was."""
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long)] = True
+        seen = seen.to(logits.device)
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab).to(logits)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -59,8 +75,10 @@ class TokenLogprob:
 
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               positions: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, V] float32, one row per sampling request. positions: index the new token will have."""
+               positions: list[int], raw_logits: torch.Tensor | None = None
+               ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, V] float32, one row per sampling request, after penalties; raw_logits: the model's own,
+        for logprobs (default: logits). positions: index the new token will have."""
         tokens = [0] * len(params)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:
@@ -76,7 +94,7 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+            lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[want], dim=-1)
             for row, i in enumerate(want):
                 n = params[i].logprobs
                 top_v, top_i = torch.topk(lp[row], n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))

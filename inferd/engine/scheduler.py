@@ -129,7 +129,10 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(preempted=preempted)
-        # one-token chunks (decodes) first: the runner batches their attention together
-        out.scheduled = sorted(scheduled.values(), key=lambda s: s.num_tokens != 1)
+        # one-token chunks (decodes) first, shortest context first: the runner batches their attention in groups
+        # of similar length
+        out.scheduled = sorted(scheduled.values(),
+                               key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens if s.num_tokens == 1
+                                              else 0))
         out.num_decodes = sum(1 for s in out.scheduled if s.num_tokens == 1)
         return out

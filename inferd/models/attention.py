@@ -24,11 +24,19 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) whose block tables are padded to one length and attended together."""
+    start: int
+    end: int
+    block_indices: torch.Tensor  # [B * max_blocks] long, padded with block 0
+    mask: torch.Tensor  # [1, B, 1, max_blocks * block_size] additive mask
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot for each row's new KV
     num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are one-token decodes, one per sequence
-    decode_block_indices: torch.Tensor | None = None  # [B * max_blocks] long, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] additive mask
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # cover rows [0, num_decode_tokens)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -52,17 +60,17 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [B, n_heads, d] -> [B, n_heads, d]."""
+                     g: DecodeGroup, scale: float) -> torch.Tensor:
+    """q: [B, n_heads, d] (the group's rows) -> [B, n_heads, d]."""
     B, n_heads, d = q.shape
-    n_kv, _, block_size, _ = k_cache.shape
+    n_kv = k_cache.shape[0]
     group = n_heads // n_kv
-    idx = meta.decode_block_indices
+    idx = g.block_indices
     keys = gather_blocks(k_cache, idx).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
     values = gather_blocks(v_cache, idx).view(n_kv, B, -1, d)
     qg = q.view(B, n_kv, group, d).transpose(0, 1)  # [n_kv, B, group, d]
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n_kv, B, group, ctx]
-    scores = scores + meta.decode_mask
+    scores = scores + g.mask
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values)  # [n_kv, B, group, d]
     return out.transpose(0, 1).reshape(B, n_heads, d)

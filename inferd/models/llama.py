@@ -91,17 +91,11 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(T, self.n_kv, self.head_dim), cos, sin)
         v = v.view(T, self.n_kv, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        nd = meta.num_decode_tokens
-        if nd == T:
-            out = decode_attention(q, k_cache, v_cache, meta, self.scale)
-        else:
-            parts = []
-            if nd:
-                parts.append(decode_attention(q[:nd], k_cache, v_cache, meta, self.scale))
-            for seq in meta.prefills:
-                s, e = seq.start, seq.end
-                parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        parts = [decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale) for g in meta.decode_groups]
+        for seq in meta.prefills:
+            s, e = seq.start, seq.end
+            parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

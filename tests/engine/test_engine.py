@@ -232,3 +232,75 @@ async def _until(cond, tries: int = 500) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from inferd.engine.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, generator=g) * 3
+    prompt, output = [1, 5, 9, 9], [12, 5, 40]
+    ours = logits.clone()
+    apply_penalties(ours, prompt, output, SamplingParams(repetition_penalty=1.3))
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.clone().unsqueeze(0))[0]
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, logits)
+
+
+def test_presence_and_frequency_penalties_count_only_the_output():
+    from inferd.engine.sampler import apply_penalties
+
+    logits = torch.zeros(16)
+    apply_penalties(logits, [3, 3, 4], [4, 7, 7, 7], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    expected = torch.zeros(16)
+    expected[4] = -(0.5 + 0.25 * 1)
+    expected[7] = -(0.5 + 0.25 * 3)
+    assert torch.equal(logits, expected)  # token 3 is only in the prompt: untouched
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                         ("repetition_penalty", 0.0), ("min_tokens", -1), ("min_tokens", 99)])
+def test_bad_penalties_are_refused(micro, field, value):
+    engine = micro.engine()
+    with pytest.raises(InvalidRequestError, match=field):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=10, **{field: value}))
+
+
+def test_min_tokens_blocks_eos_and_stop_ids(micro):
+    engine = micro.engine(record_logits=True)
+    [full] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    out = full.output_token_ids
+    engine.eos_token_ids = frozenset({out[0]})  # EOS would be the greedy first token
+    [req] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, min_tokens=4))
+    assert req.num_output_tokens >= 4 and out[0] not in req.output_token_ids[:4]
+    # the recorded (raw) logits still show EOS as the model's choice at the first position
+    assert int(req.debug_logits[0].argmax()) == out[0]
+    [stop] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, min_tokens=3,
+                                                      stop_token_ids=[out[0]]))
+    assert out[0] not in stop.output_token_ids[:3]
+    engine.kv_cache.check_no_leaks()
+
+
+def test_penalised_request_replays_identically(micro):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.0,
+                            presence_penalty=0.5, repetition_penalty=1.2)
+    engine = micro.engine(record_logits=True)
+    [orig] = engine.generate([PROMPT], params)
+    [plain] = engine.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert orig.output_token_ids != plain.output_token_ids  # the penalties changed something
+    k = 10
+    rid = engine.add_request(PROMPT + orig.output_token_ids[:k], params, num_prompt_tokens=len(PROMPT))
+    req = engine.requests[rid]
+    run(engine)
+    from inferd.engine.sampler import apply_penalties
+
+    for i, (a, b) in enumerate(zip(req.output_token_ids, orig.output_token_ids)):
+        if a != b:  # exactness rule: only at a near-tie of the penalised logits
+            row = orig.debug_logits[i].clone()
+            apply_penalties(row, PROMPT, orig.output_token_ids[:i], params)
+            top2 = torch.topk(row, 2).values
+            assert i >= k and float(top2[0] - top2[1]) < 1e-3, f"position {i}: {a} != {b}"
+            break
+    assert req.num_output_tokens == orig.num_output_tokens

@@ -32,18 +32,12 @@ MAX_NEW = [32, 24, 40, 28, 36, 30, 34, 40]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_fp32, smollm2_gguf_path):
+def smol(request, smollm2_fp32, smollm2_gguf_path):
     model, cfg, tok = smollm2_fp32
     prompts = [tok.encode(t) for t in TEXTS]
-    hf = []
 
     def get_hf():  # loaded only when a reference is missing from the disk cache
-        if not hf:
-            from transformers import AutoModelForCausalLM
-
-            d, f = os.path.split(smollm2_gguf_path)
-            hf.append(AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval())
-        return hf[0]
+        return request.getfixturevalue("hf_smollm2_fp32")
 
     key = f"smollm2-gguf:{os.path.getsize(smollm2_gguf_path)}:fp32"
     refs = [hf_greedy(get_hf, p, n, cache_key=key) for p, n in zip(prompts, MAX_NEW)]

@@ -145,15 +145,11 @@ def test_default_model_path_missing_package(monkeypatch):
         default_model_path()
 
 
-def test_smollm2_gguf_matches_transformers_bit_for_bit(smollm2_gguf_path):
+def test_smollm2_gguf_matches_transformers_bit_for_bit(smollm2_gguf_path, hf_smollm2_fp32):
     """Config and every float32 weight equal what transformers loads from the same GGUF (torch.equal)."""
-    from transformers import AutoModelForCausalLM
-
     config = load_model_config(smollm2_gguf_path)
     ours = load_state_dict(smollm2_gguf_path, config, torch.float32)
-
-    folder, name = os.path.split(smollm2_gguf_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    hf = hf_smollm2_fp32
     hc = hf.config
     assert config.architecture == hc.model_type == "llama"
     assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
