@@ -58,13 +58,13 @@ class _TextState:
         self.text += self.detok.add(token_ids)
         if final:
             self.text += self.detok.flush()  # an incomplete UTF-8 tail is emitted as the tokenizer decodes it
-        for s in self.stops:
-            i = self.text.find(s, max(0, start - len(s)))
-            if i != -1:
-                self.text = self.text[:i]
-                out = self.text[self.emitted:]
-                self.emitted = len(self.text)
-                return out, s
+        matches = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, start - len(s)))) != -1]
+        if matches:
+            i, s = min(matches)  # the earliest stop string in the text wins
+            self.text = self.text[:i]
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out, s
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end
