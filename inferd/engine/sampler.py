@@ -46,7 +46,8 @@ def filtered_sorted_probs(logits: torch.Tensor, params: SamplingParams) -> tuple
 def sample_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     probs, ids = filtered_sorted_probs(logits, params)
     cdf = torch.cumsum(probs, dim=-1)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    target = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    idx = int(torch.searchsorted(cdf, target, right=True))
     return int(ids[min(idx, int((probs > 0).sum()) - 1)])
 
 
@@ -56,9 +57,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
     prompt includes its earlier outputs) is penalised exactly as the original was."""
     vocab = logits.shape[-1]
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long)] = True
-        seen = seen.to(logits.device)
+        seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long, device=logits.device)] = True
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits.copy_(torch.where(seen, penalised, logits))
     if output_ids and (params.presence_penalty or params.frequency_penalty):

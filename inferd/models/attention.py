@@ -91,8 +91,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         keys = gather_blocks(k_cache, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
         values = gather_blocks(v_cache, seq.block_ids).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
         # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
-        rows = torch.arange(n).unsqueeze(1) + seq.num_cached
-        cols = torch.arange(ctx).unsqueeze(0)
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + seq.num_cached
+        cols = torch.arange(ctx, device=q.device).unsqueeze(0)
         mask = cols <= rows
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -186,14 +186,12 @@ class LlamaForCausalLM(nn.Module):
         return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (the tied head counted once)."""
-        total = 0
+        """Bytes of weights one decode step reads: every layer and the head; the embedding table is only
+        looked up a row per token."""
+        tensors = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
         for m in self.modules():
             if isinstance(m, Linear):
-                w = m.packed if m.packed is not None else m.weight
-                total += w.numel() * w.element_size() + (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0)
-            elif isinstance(m, RMSNorm):
-                total += m.weight.numel() * m.weight.element_size()
-        if not self.config.tie_word_embeddings:
-            total += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
-        return total
+                tensors.append(m.packed if m.packed is not None else m.weight)
+                if m.bias is not None:
+                    tensors.append(m.bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
