@@ -1,10 +1,16 @@
-"""The `inferd` command: generate (one raw prompt, offline) and chat (a terminal chat), both streaming."""
+"""The `inferd` command: generate (one raw prompt, offline) and chat (a terminal chat), both streaming; worker (one
+engine behind the worker protocol, for a gateway)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+
+# The parent at start-up, read before the slow imports below: `worker --die-with-parent` compares it with the parent
+# after arming PR_SET_PDEATHSIG, to notice a parent that died in between.
+_PARENT_PID_AT_START = os.getppid()
 
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                      DEFAULT_MAX_NUM_SEQS, EngineConfig)
@@ -114,7 +120,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(text)})
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from .worker.server import run_worker
+
+    return run_worker(engine_config(args), host=args.host, port=args.port, heartbeat_interval=args.heartbeat_interval,
+                      worker_id=args.worker_id,
+                      parent_pid=_PARENT_PID_AT_START if args.die_with_parent else None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .worker.protocol import DEFAULT_HEARTBEAT_INTERVAL
+
     parser = argparse.ArgumentParser(prog="inferd", description="inferd: LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -137,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=None)
     add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+
+    w = sub.add_parser("worker", help="serve one engine to a gateway over the worker protocol (TCP)")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=0, help="0 = pick a free port (printed in the READY line)")
+    w.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
+                   help=f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})")
+    w.add_argument("--die-with-parent", action=argparse.BooleanOptionalAction, default=False,
+                   help="exit (SIGTERM) when the parent process dies (Linux); supervisors turn it on")
+    w.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    add_engine_args(w)
+    w.set_defaults(func=cmd_worker)
 
     args = parser.parse_args(argv)
     return args.func(args)

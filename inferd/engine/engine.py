@@ -120,6 +120,10 @@ class Engine:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        # min_tokens indexes the logits with the stop ids: one out of range would fail the whole step
+        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"stop token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         if not 0 < orig <= len(prompt_token_ids):
             raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")

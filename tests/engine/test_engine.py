@@ -31,6 +31,8 @@ def run(engine):
     (PROMPT, SamplingParams(stop=[""]), "stop"),
     ([1, 2, 512], SamplingParams(), "vocabulary"),
     ([1, -1], SamplingParams(), "vocabulary"),
+    (PROMPT, SamplingParams(stop_token_ids=[512]), "stop token id"),
+    (PROMPT, SamplingParams(stop_token_ids=[-1], min_tokens=2), "stop token id"),
     (list(range(1, 250)), SamplingParams(max_tokens=16), "context window"),  # 249 + 16 > 256
     (list(range(1, 300)), SamplingParams(max_tokens=1), "context window"),
 ])

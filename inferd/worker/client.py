@@ -1,0 +1,281 @@
+"""WorkerClient: the gateway's end of one worker connection, in asyncio.
+
+Frames are parsed as bytes arrive (an asyncio.Protocol, no reader task) and routed: `outputs` entries to the
+per-request stream queue of their request, when the epoch matches the dispatch; `heartbeat` stats to latest_stats.
+A watchdog declares the worker dead when nothing at all arrived for heartbeat_timeout; a closed connection or a
+worker that breaks the protocol is dead at once. Death fails every open stream with WorkerDead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.request import SamplingParams
+from .protocol import (DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS, PROTOCOL_VERSION, REJECTED,
+                       WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello, WorkerOutput, WorkerStats,
+                       abort_message, add_message, decode_message, encode_frame, ping_message, shutdown_message)
+
+
+class WorkerClientError(RuntimeError):
+    """Base of what a stream can raise."""
+
+
+class WorkerDead(WorkerClientError):
+    """The worker is gone (closed, killed, silent past the heartbeat timeout, or broke the protocol)."""
+
+
+class RequestRejected(WorkerClientError):
+    """The worker refused the request before running it (the engine's validation message)."""
+
+
+class RequestFailed(WorkerClientError):
+    """The worker admitted the request, then failed it (an engine step raised)."""
+
+
+@dataclass
+class _Stream:
+    epoch: int
+    queue: asyncio.Queue  # WorkerOutput, or an exception that ends the stream
+
+
+class _FrameProtocol(asyncio.Protocol):
+    def __init__(self, client: "WorkerClient"):
+        self.client = client
+        self.decoder = FrameDecoder()
+
+    def data_received(self, data: bytes) -> None:
+        self.client._last_seen = self.client._loop.time()  # any byte is a sign of life
+        try:
+            bodies = self.decoder.feed(data)
+        except ProtocolError as e:
+            self.client._declare_dead(f"the worker broke the protocol: {e}")
+            return
+        for body in bodies:
+            self.client._on_frame(body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._declare_dead(f"the connection to the worker was lost{f': {exc}' if exc else ''}")
+
+
+class WorkerClient:
+    def __init__(self, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT):
+        self.heartbeat_timeout = heartbeat_timeout
+        self.hello: WorkerHello | None = None
+        self.latest_stats: WorkerStats | None = None
+        self.num_heartbeats = 0
+        self.num_output_messages = 0
+        self.num_batched_output_messages = 0  # `outputs` messages (engine steps) that carried more than one request
+        self.num_stale_outputs = 0  # entries dropped: their request is no longer streamed here, or another epoch
+        self.errors: list[str] = []  # protocol errors the worker reported about what we sent
+        self._streams: dict[str, _Stream] = {}
+        self._dead: WorkerDead | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_seen = self._loop.time()
+        self._hello: asyncio.Future = self._loop.create_future()
+        self._closed: asyncio.Future = self._loop.create_future()  # resolved when the worker is dead to us
+        self._heartbeat = asyncio.Event()  # set and replaced at every heartbeat
+        self._transport: asyncio.Transport | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+                      ) -> "WorkerClient":
+        """Connects and reads the worker's hello; raises WorkerDead when either takes over heartbeat_timeout."""
+        client = cls(heartbeat_timeout)
+        try:
+            client._transport, _ = await asyncio.wait_for(
+                client._loop.create_connection(lambda: _FrameProtocol(client), host, port), heartbeat_timeout)
+        except (OSError, TimeoutError) as e:
+            raise WorkerDead(f"cannot connect to the worker at {host}:{port}: {e!r}") from e
+        client._last_seen = client._loop.time()
+        client._watchdog = asyncio.create_task(client._watch())
+        await client._hello  # the watchdog bounds this wait; death sets WorkerDead on it
+        return client
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       num_prompt_tokens: int | None = None, epoch: int = 0) -> AsyncIterator[WorkerOutput]:
+        """Yields the request's outputs step by step; the last has finished=True. Raises RequestRejected,
+        RequestFailed or WorkerDead. Leaving the iteration early (break + aclose, or cancellation) aborts it."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already streaming from this worker")
+        try:
+            frame = encode_frame(add_message(request_id, epoch, prompt_token_ids, params, num_prompt_tokens))
+        except (ValueError, ProtocolError) as e:  # NaN/inf parameters (not JSON), a prompt over the frame limit
+            raise RequestRejected(f"the request cannot be sent to the worker: {e}") from None
+        stream = self._streams[request_id] = _Stream(epoch, asyncio.Queue())
+        self._transport.write(frame)
+        ended = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = item.finished
+                yield item
+                if ended:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not ended and self._dead is None:
+                self._send(abort_message(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Asks the worker to stop the request; its stream then ends with finish_reason "abort"."""
+        self._send(abort_message(request_id))
+
+    # ---- health ---------------------------------------------------------------------------------------------
+    @property
+    def dead(self) -> WorkerDead | None:
+        return self._dead
+
+    async def wait_dead(self) -> WorkerDead:
+        """Returns, with the reason, once the worker is dead to this client (closed, killed, silent or broken)."""
+        await asyncio.shield(self._closed)
+        return self._dead
+
+    async def next_heartbeat(self) -> WorkerStats:
+        """The stats of the next heartbeat to arrive (WorkerDead if the worker dies first)."""
+        heartbeat = self._heartbeat
+        await heartbeat.wait()  # the watchdog bounds this wait: death wakes it
+        self._check_alive()
+        return self.latest_stats
+
+    async def ping(self) -> WorkerStats:
+        """The stats of a heartbeat sent after this call (the worker answers a ping with one at once)."""
+        heartbeat = self._heartbeat
+        self._send(ping_message())
+        await heartbeat.wait()
+        self._check_alive()
+        return self.latest_stats
+
+    async def wait_for_stats(self, predicate: Callable[[WorkerStats], bool], timeout: float) -> WorkerStats:
+        """Waits for heartbeat stats that satisfy predicate; TimeoutError (with the last stats) after timeout."""
+        deadline = self._loop.time() + timeout
+        while True:
+            self._check_alive()
+            stats = self.latest_stats
+            if stats is not None and predicate(stats):
+                return stats
+            remaining = deadline - self._loop.time()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._heartbeat.wait(), remaining)
+            except TimeoutError:
+                raise TimeoutError(f"no heartbeat matched within {timeout} s; last stats: {stats}") from None
+
+    async def shutdown(self, grace_period: float = 0.0) -> None:
+        """Asks the worker to stop (running requests get grace_period seconds) and waits until it closes."""
+        self._send(shutdown_message(grace_period))
+        await self.wait_dead()
+
+    async def close(self) -> None:
+        """Closes the connection without aborting anything: the worker aborts this connection's requests."""
+        self._declare_dead("the client closed the connection", abort=False)
+        if self._watchdog is not None:
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+
+    async def __aenter__(self) -> "WorkerClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- incoming -------------------------------------------------------------------------------------------
+    def _on_frame(self, body: bytes) -> None:
+        if self._dead is not None:
+            return
+        try:
+            message = decode_message(body, WORKER_MESSAGE_TYPES)
+            handler = {HELLO: self._on_hello, OUTPUTS: self._on_outputs, REJECTED: self._on_rejected,
+                       HEARTBEAT: self._on_heartbeat, ERROR: self._on_error}[message["type"]]
+            handler(message)
+        except (ProtocolError, KeyError, TypeError, ValueError) as e:
+            self._declare_dead(f"the worker sent a malformed message: {e!r}")
+
+    def _on_hello(self, message: dict[str, Any]) -> None:
+        hello = WorkerHello.from_wire(message)
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(f"worker speaks protocol {hello.protocol_version}, this client {PROTOCOL_VERSION}")
+        self.hello = hello
+        if not self._hello.done():
+            self._hello.set_result(hello)
+
+    def _on_outputs(self, message: dict[str, Any]) -> None:
+        entries = message["outputs"]
+        self.num_output_messages += 1
+        self.num_batched_output_messages += len(entries) > 1
+        for entry in entries:
+            out = WorkerOutput.from_wire(entry)
+            stream = self._stream_for(out.request_id, out.epoch)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _on_rejected(self, message: dict[str, Any]) -> None:
+        stream = self._stream_for(message["request_id"], message["epoch"])
+        if stream is not None:
+            stream.queue.put_nowait(RequestRejected(message["error"]))
+
+    def _on_error(self, message: dict[str, Any]) -> None:
+        request_id = message.get("request_id")
+        if request_id is None:
+            self.errors.append(message["error"])
+            return
+        stream = self._stream_for(request_id, message.get("epoch"))
+        if stream is not None:
+            stream.queue.put_nowait(RequestFailed(message["error"]))
+
+    def _on_heartbeat(self, message: dict[str, Any]) -> None:
+        self.latest_stats = WorkerStats.from_wire(message["stats"])
+        self.num_heartbeats += 1
+        self._wake_heartbeat_waiters()
+
+    def _stream_for(self, request_id: str, epoch: int | None) -> _Stream | None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.epoch != epoch:
+            self.num_stale_outputs += 1
+            return None
+        return stream
+
+    def _wake_heartbeat_waiters(self) -> None:
+        self._heartbeat.set()
+        self._heartbeat = asyncio.Event()
+
+    # ---- liveness -------------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        period = self.heartbeat_timeout / 10
+        while self._dead is None:
+            await asyncio.sleep(period)
+            silent = self._loop.time() - self._last_seen
+            if silent > self.heartbeat_timeout:
+                self._declare_dead(f"no frame from the worker for {silent:.2f} s "
+                                   f"(heartbeat timeout {self.heartbeat_timeout} s)")
+
+    def _declare_dead(self, reason: str, abort: bool = True) -> None:
+        if self._dead is not None:
+            return
+        self._dead = WorkerDead(reason)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(WorkerDead(reason))
+        if not self._hello.done():
+            self._hello.set_exception(WorkerDead(reason))
+        if not self._closed.done():
+            self._closed.set_result(None)
+        self._wake_heartbeat_waiters()
+        if self._transport is not None:
+            self._transport.abort() if abort else self._transport.close()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerDead(str(self._dead))
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._check_alive()
+        self._transport.write(encode_frame(message))

@@ -1,0 +1,194 @@
+"""EngineLoop: the worker's step thread, sole owner of the Engine (which is not thread-safe).
+
+Adds, aborts, dropped connections and the stop order arrive as commands on a queue that is drained between steps,
+so an abort takes effect within one step. Each step's outputs leave as ONE `outputs` message per connection, every
+entry stamped with the epoch its request was dispatched with. Between steps the loop publishes a stats snapshot that
+the heartbeat thread sends without touching the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..engine import Engine, InvalidRequestError, RequestOutput
+from .protocol import (OUTPUTS, AddRequest, WorkerStats, error_message, output_entry, rejected_message)
+
+log = logging.getLogger("inferd.worker")
+
+
+class Peer(Protocol):
+    """A client connection as the loop sees it: send() never raises; closed turns True once it is gone."""
+    closed: bool
+
+    def send(self, message: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class _Dispatch:
+    peer: Peer
+    epoch: int
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self.on_crash = on_crash  # called from the step thread if the loop itself fails (a bug, not a bad step)
+        self.stats = self._snapshot()  # replaced (never mutated) between steps: safe to read from any thread
+        self.step_started_at: float | None = None  # time.monotonic() of the step in progress, None between steps
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._dispatches: dict[str, _Dispatch] = {}  # request id -> who asked for it, under which epoch
+        self._stop_deadline: float | None = None
+        self._thread = threading.Thread(target=self._run, name="inferd-engine-loop", daemon=True)
+
+    # ---- called from other threads --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def add(self, peer: Peer, request: AddRequest) -> None:
+        self._put(("add", peer, request))
+
+    def abort(self, peer: Peer, request_id: str) -> None:
+        self._put(("abort", peer, request_id))
+
+    def drop(self, peer: Peer) -> None:
+        """The connection is gone: abort every request it dispatched, so that their KV blocks are freed."""
+        self._put(("drop", peer, None))
+
+    def stop(self, grace_period: float) -> None:
+        """Refuse new requests, let the running ones finish for up to grace_period seconds, abort the rest (their
+        final outputs are still sent), then end the thread."""
+        self._put(("stop", None, grace_period))
+
+    def _put(self, command: tuple) -> None:
+        self._commands.put(command)  # SimpleQueue.put is safe even from a signal handler
+        self._wake.set()
+
+    def step_seconds(self) -> float:
+        """How long the step in progress has been running (0 between steps)."""
+        started = self.step_started_at
+        return 0.0 if started is None else time.monotonic() - started
+
+    # ---- the step thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            log.exception("the engine loop failed")
+            if self.on_crash is not None:
+                self.on_crash(e)
+
+    def _loop(self) -> None:
+        while True:
+            self._drain_commands()
+            if self._should_exit():
+                self._abort_everything()
+                self._publish(self.engine.take_pending_outputs())
+                return
+            if self.engine.has_unfinished_requests():
+                self._publish(self._step())
+                continue
+            self._publish(self.engine.take_pending_outputs())
+            self._wake.wait(timeout=self._idle_timeout())
+            self._wake.clear()  # a command put after this line sets it again; one put before is drained next
+
+    def _should_exit(self) -> bool:
+        if self._stop_deadline is None:
+            return False
+        return not self.engine.has_unfinished_requests() or time.monotonic() >= self._stop_deadline
+
+    def _idle_timeout(self) -> float | None:
+        return None if self._stop_deadline is None else max(0.0, self._stop_deadline - time.monotonic())
+
+    def _step(self) -> list[RequestOutput]:
+        self.step_started_at = time.monotonic()
+        try:
+            return self.engine.step()
+        except Exception as e:  # a failed step fails the requests in it, not the worker
+            log.exception("engine step failed")
+            for request_id, dispatch in self._dispatches.items():
+                self.engine.abort(request_id)
+                dispatch.peer.send(error_message(f"engine step failed: {e!r}", request_id, dispatch.epoch))
+            self._dispatches.clear()
+            self.engine.take_pending_outputs()  # their streams already got the error
+            return []
+        finally:
+            self.step_started_at = None
+
+    def _abort_everything(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+
+    # ---- commands -------------------------------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, peer, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(peer, arg)
+            elif kind == "abort":
+                dispatch = self._dispatches.get(arg)
+                if dispatch is not None and dispatch.peer is peer:
+                    self.engine.abort(arg)  # its final output (finish_reason "abort") goes out with the next batch
+            elif kind == "drop":
+                self._drop(peer)
+            elif kind == "stop" and self._stop_deadline is None:
+                self._stop_deadline = time.monotonic() + arg
+
+    def _add(self, peer: Peer, request: AddRequest) -> None:
+        if peer.closed:
+            return  # dispatched by a connection that is already gone: nobody would read the tokens
+        if self._stop_deadline is not None:
+            peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down"))
+            return
+        try:
+            self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
+                                    request.num_prompt_tokens)
+        except InvalidRequestError as e:
+            peer.send(rejected_message(request.request_id, request.epoch, str(e)))
+            return
+        self._dispatches[request.request_id] = _Dispatch(peer, request.epoch)
+
+    def _drop(self, peer: Peer) -> None:
+        mine = [rid for rid, d in self._dispatches.items() if d.peer is peer]
+        for request_id in mine:
+            self.engine.abort(request_id)
+            del self._dispatches[request_id]
+        if mine:
+            log.info("connection dropped: aborted %d request(s)", len(mine))
+
+    # ---- outputs and stats ----------------------------------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """One `outputs` message per connection for this step, then a fresh stats snapshot."""
+        batches: dict[int, tuple[Peer, list[dict]]] = {}
+        for out in outputs:
+            dispatch = self._dispatches.get(out.request_id)
+            if dispatch is None:
+                continue  # its connection was dropped
+            if out.finished:
+                del self._dispatches[out.request_id]
+            batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(output_entry(out, dispatch.epoch))
+        step = self.engine.stats.num_steps
+        for peer, entries in batches.values():
+            peer.send({"type": OUTPUTS, "step": step, "outputs": entries})
+        self.stats = self._snapshot()
+
+    def _snapshot(self) -> WorkerStats:
+        kv, scheduler = self.engine.kv_cache, self.engine.scheduler
+        free = kv.num_free_blocks
+        return WorkerStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
+                           prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
+                           num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps)

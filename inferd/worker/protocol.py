@@ -1,0 +1,295 @@
+"""The wire protocol between a worker and its client (the gateway): framing, message types and their fields.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON, one object with a "type". A length
+over MAX_FRAME_BYTES is a protocol error that ends the connection (the stream cannot be resynchronised, and the
+reader never allocates more than the limit); a frame that is not a JSON object with a known type is answered with
+an `error` message and the connection carries on.
+
+worker -> client: hello (once, on connect), outputs (one per engine step, every request's new tokens), rejected
+(a request refused by validation), heartbeat (from its own thread, with a stats snapshot), error.
+client -> worker: add, abort, ping (answered by a heartbeat at once), shutdown.
+
+Every `add` carries an epoch chosen by the client; the worker echoes it in every output and refusal for that
+request, so that a client which gave up on a dispatch can drop whatever still arrives for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.request import InvalidRequestError, SamplingParams
+from ..engine.sampler import TokenLogprob
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
+DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
+DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
+
+_LENGTH = struct.Struct(">I")
+
+# worker -> client
+HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "hello", "outputs", "rejected", "heartbeat", "error"
+# client -> worker
+ADD, ABORT, PING, SHUTDOWN = "add", "abort", "ping", "shutdown"
+CLIENT_MESSAGE_TYPES = frozenset({ADD, ABORT, PING, SHUTDOWN})
+WORKER_MESSAGE_TYPES = frozenset({HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR})
+
+
+class ProtocolError(Exception):
+    """A frame or message that breaks the protocol. `fatal`: the byte stream cannot be trusted any more."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
+
+
+# ---- framing --------------------------------------------------------------------------------------------------
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a {message.get('type')!r} message of {len(body)} bytes is over the "
+                            f"{MAX_FRAME_BYTES}-byte frame limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Cuts a byte stream into frame bodies. Holds at most one partial frame, so never more than the limit."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES):
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The bodies of the frames completed by data. Raises a fatal ProtocolError on an oversize length."""
+        self._buffer += data
+        bodies = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length > self.max_frame_bytes:
+                self._buffer.clear()
+                raise ProtocolError(f"frame of {length} bytes is over the {self.max_frame_bytes}-byte limit",
+                                    fatal=True)
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                break
+            bodies.append(bytes(self._buffer[_LENGTH.size:end]))
+            del self._buffer[:end]
+        return bodies
+
+
+def decode_message(body: bytes, known_types: frozenset[str]) -> dict[str, Any]:
+    """One frame body -> a message dict with a known "type". Raises ProtocolError (not fatal) otherwise."""
+    try:
+        message = json.loads(body.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"frame body is not UTF-8 JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a JSON object, got {type(message).__name__}")
+    kind = message.get("type")
+    if kind not in known_types:
+        raise ProtocolError(f"unknown message type {kind!r} (expected one of {', '.join(sorted(known_types))})")
+    return message
+
+
+def read_frame(sock: socket.socket) -> bytes | None:
+    """Blocking read of one frame body from a socket; None on a clean end of stream between frames."""
+    header = _recv_exactly(sock, _LENGTH.size)
+    if header is None:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit", fatal=True)
+    body = _recv_exactly(sock, length)
+    if body is None:
+        raise ProtocolError("connection closed in the middle of a frame", fatal=True)
+    return body
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            if got:
+                raise ProtocolError("connection closed in the middle of a frame", fatal=True)
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# ---- sampling parameters --------------------------------------------------------------------------------------
+_PARAM_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+
+
+def sampling_params_from_dict(data: Any) -> SamplingParams:
+    """The inverse of sampling_params_to_dict; missing fields take their defaults. Unknown keys and list fields
+    that are not lists raise InvalidRequestError; value ranges are the engine's to check (SamplingParams.validate)."""
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"sampling params must be an object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_PARAM_FIELDS))
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    for name, item_type in (("stop", str), ("stop_token_ids", int)):
+        value = data.get(name, [])
+        if not isinstance(value, list) or not all(_is(v, item_type) for v in value):
+            raise InvalidRequestError(f"{name} must be a list of {item_type.__name__}, got {value!r}")
+    return SamplingParams(**{k: list(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+# ---- what the messages carry ----------------------------------------------------------------------------------
+@dataclass
+class WorkerHello:
+    protocol_version: int
+    worker_id: str
+    pid: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_num_blocks: int
+    kv_block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    heartbeat_interval: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": HELLO, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> "WorkerHello":
+        return cls(**{f.name: message[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class WorkerStats:
+    """A heartbeat's snapshot of the engine, taken between steps."""
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_in_use: int = 0  # referenced by a request
+    kv_blocks_free: int = 0  # free or evictable (cached, unreferenced): what can be handed out now
+    kv_num_blocks: int = 0
+    prefix_cache_hits: int = 0  # prompt tokens served from the prefix cache
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # how long the step in progress has run when the heartbeat left: heartbeats prove the process is alive, this
+    # lets a client notice an engine stuck inside one step
+    step_in_progress_s: float = 0.0
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "WorkerStats":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class WorkerOutput:
+    """What one engine step produced for one request, as the client sees it (mirrors engine.RequestOutput)."""
+    request_id: str
+    epoch: int
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, entry: dict[str, Any]) -> "WorkerOutput":
+        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
+                    for lp in entry.get("logprobs", [])]
+        return cls(entry["request_id"], entry["epoch"], entry["new_token_ids"], entry["finished"],
+                   entry["finish_reason"], entry["stop_reason"], entry["num_prompt_tokens"],
+                   entry["num_output_tokens"], entry["num_cached_tokens"], logprobs)
+
+
+def output_entry(out, epoch: int) -> dict[str, Any]:
+    """One engine RequestOutput as an entry of an `outputs` message."""
+    entry = {"request_id": out.request_id, "epoch": epoch, "new_token_ids": out.new_token_ids,
+             "finished": out.finished, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+             "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
+             "num_cached_tokens": out.num_cached_tokens}
+    if out.logprobs:
+        entry["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
+                              "top": [[t, _finite_logprob(v)] for t, v in lp.top]} for lp in out.logprobs]
+    return entry
+
+
+def _finite_logprob(value: float) -> float:
+    """JSON has no -inf: an impossible token's logprob is sent as -9999.0, as OpenAI-compatible servers do."""
+    return value if value > -9999.0 else -9999.0  # NaN compares False and becomes -9999.0 too
+
+
+@dataclass
+class AddRequest:
+    """A parsed `add` message."""
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int | None
+    params: SamplingParams
+
+
+def parse_add(message: dict[str, Any]) -> AddRequest:
+    """Raises ProtocolError when the message names no request (nothing to refuse), InvalidRequestError when the
+    request itself is malformed (refused as that request)."""
+    request_id, epoch = message.get("request_id"), message.get("epoch", 0)
+    if not isinstance(request_id, str) or not request_id:
+        raise ProtocolError("an add message needs a non-empty string request_id")
+    if not _is(epoch, int):
+        raise ProtocolError(f"epoch must be an integer, got {epoch!r}")
+    prompt = message.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not all(_is(t, int) for t in prompt):
+        raise InvalidRequestError("prompt_token_ids must be a list of integers")
+    num_prompt = message.get("num_prompt_tokens")
+    if num_prompt is not None and not _is(num_prompt, int):
+        raise InvalidRequestError(f"num_prompt_tokens must be an integer or null, got {num_prompt!r}")
+    return AddRequest(request_id, epoch, prompt, num_prompt, sampling_params_from_dict(message.get("params", {})))
+
+
+# ---- message constructors -------------------------------------------------------------------------------------
+def add_message(request_id: str, epoch: int, prompt_token_ids: list[int], params: SamplingParams,
+                num_prompt_tokens: int | None = None) -> dict[str, Any]:
+    return {"type": ADD, "request_id": request_id, "epoch": epoch, "prompt_token_ids": list(prompt_token_ids),
+            "num_prompt_tokens": num_prompt_tokens, "params": sampling_params_to_dict(params)}
+
+
+def abort_message(request_id: str) -> dict[str, Any]:
+    return {"type": ABORT, "request_id": request_id}
+
+
+def ping_message() -> dict[str, Any]:
+    return {"type": PING}
+
+
+def shutdown_message(grace_period: float) -> dict[str, Any]:
+    """Stop taking requests, give the running ones grace_period seconds to finish, abort the rest, exit."""
+    return {"type": SHUTDOWN, "grace_period": grace_period}
+
+
+def rejected_message(request_id: str, epoch: int, error: str) -> dict[str, Any]:
+    return {"type": REJECTED, "request_id": request_id, "epoch": epoch, "error": error}
+
+
+def error_message(error: str, request_id: str | None = None, epoch: int | None = None) -> dict[str, Any]:
+    """A protocol error (no request_id) or the failure of one admitted request."""
+    return {"type": ERROR, "error": error, "request_id": request_id, "epoch": epoch}
+
+
+def heartbeat_message(seq: int, monotonic_time: float, stats: WorkerStats) -> dict[str, Any]:
+    return {"type": HEARTBEAT, "seq": seq, "time": monotonic_time, "stats": dataclasses.asdict(stats)}

@@ -1,0 +1,260 @@
+"""The worker process: one Engine behind a TCP listener, serving one client connection (the gateway) at a time.
+
+Threads: the main thread accepts connections (a new one replaces the current one, whose requests are then
+aborted); one reader thread per connection parses frames and hands requests to the EngineLoop; the EngineLoop
+thread steps the engine; a heartbeat thread sends `heartbeat` every interval whatever the engine is doing, so a long
+step never looks like death. Whole frames are written under a per-connection lock, from whichever thread.
+
+Lifecycle: prints `READY tcp://HOST:PORT` once it accepts connections. SIGTERM/SIGINT: abort what runs, send the
+final outputs, close, exit 0. A client `shutdown` does the same after a grace period. If the step thread itself
+fails (a bug), the worker closes and exits 1 rather than heartbeating without serving. With die_with_parent the
+kernel sends SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from ..config import EngineConfig
+from ..engine import Engine, InvalidRequestError
+from .engine_loop import EngineLoop
+from .protocol import (ABORT, ADD, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
+                       SHUTDOWN, ProtocolError, WorkerHello, decode_message, encode_frame, error_message,
+                       heartbeat_message, parse_add, read_frame, rejected_message)
+
+log = logging.getLogger("inferd.worker")
+
+ACCEPT_POLL_S = 0.2  # how often the accept loop looks at the shutdown flag
+SEND_TIMEOUT_S = 10.0  # a client that stops reading for this long is dropped rather than stalling the engine
+PR_SET_PDEATHSIG = 1
+
+
+class Connection:
+    """One client connection. send() is safe from any thread and never raises: a failed send closes it."""
+
+    def __init__(self, sock: socket.socket, address: Any):
+        self.sock = sock
+        self.address = address
+        self.closed = False
+        self._lock = threading.Lock()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
+
+    def send(self, message: dict[str, Any]) -> None:
+        try:
+            frame = encode_frame(message)
+        except (ProtocolError, ValueError) as e:
+            log.error("dropping an unsendable %r message: %s", message.get("type"), e)
+            return
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(frame)
+            except OSError as e:
+                log.warning("send to %s failed (%s): closing the connection", self.address, e)
+                self.close()
+
+    def close(self) -> None:
+        """Ends the connection without waiting for a blocked send: shutdown() wakes every thread using it."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        """Closes the file descriptor, once no thread can be writing (called by the reader thread at its end)."""
+        self.close()
+        with self._lock:
+            self.sock.close()
+
+
+class WorkerServer:
+    def __init__(self, engine: Engine, hello: WorkerHello, host: str = "127.0.0.1", port: int = 0,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL):
+        if not heartbeat_interval > 0:
+            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
+        self.loop = EngineLoop(engine, on_crash=self._on_engine_loop_crash)
+        self.exit_code = 0
+        self.hello = hello
+        self.heartbeat_interval = heartbeat_interval
+        self.listener = socket.create_server((host, port))
+        self.listener.settimeout(ACCEPT_POLL_S)
+        self.host, self.port = self.listener.getsockname()[:2]
+        self._current: Connection | None = None
+        self._current_lock = threading.Lock()  # the accept loop and the readers both replace _current
+        self._shutdown = threading.Event()
+        self._heartbeat_seq = itertools.count(1)
+
+    def serve_forever(self) -> None:
+        """Serves until shutdown is requested, then waits for the engine loop to finish and closes."""
+        self.loop.start()
+        threading.Thread(target=self._send_heartbeats, name="inferd-heartbeat", daemon=True).start()
+        print(f"READY tcp://{self.host}:{self.port}", flush=True)
+        log.info("worker %s serving %s on %s:%d", self.hello.worker_id, self.hello.model, self.host, self.port)
+        while not self._shutdown.is_set():
+            try:
+                sock, address = self.listener.accept()
+            except TimeoutError:
+                continue
+            self._adopt(sock, address)
+        self.listener.close()
+        self.loop.join()
+        if self._current is not None:
+            self._current.close()
+        log.info("worker %s stopped", self.hello.worker_id)
+
+    def request_shutdown(self, grace_period: float = 0.0) -> None:
+        """Stop accepting; in-flight requests get grace_period seconds, then are aborted. Signal-handler safe."""
+        self.loop.stop(grace_period)
+        self._shutdown.set()
+
+    # ---- connections ----------------------------------------------------------------------------------------
+    def _adopt(self, sock: socket.socket, address: Any) -> None:
+        sock.settimeout(None)
+        conn = Connection(sock, address)
+        conn.send(self.hello.to_wire())  # before heartbeats can reach it: hello is always the first frame
+        with self._current_lock:
+            previous, self._current = self._current, conn
+        if previous is not None:
+            log.info("connection from %s replaces %s", address, previous.address)
+            previous.close()  # its reader thread sees the end and drops its requests
+        threading.Thread(target=self._read, args=(conn,), name="inferd-conn-reader", daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                body = read_frame(conn.sock)
+                if body is None:
+                    break
+                self._handle_frame(conn, body)
+        except ProtocolError as e:  # fatal: the byte stream cannot be resynchronised
+            log.warning("closing %s: %s", conn.address, e)
+            conn.send(error_message(str(e)))
+        except OSError:
+            pass
+        finally:
+            self.loop.drop(conn)
+            conn.release()
+            with self._current_lock:
+                if self._current is conn:
+                    self._current = None
+
+    def _handle_frame(self, conn: Connection, body: bytes) -> None:
+        try:
+            message = decode_message(body, CLIENT_MESSAGE_TYPES)
+            kind = message["type"]
+            if kind == ADD:
+                self._on_add(conn, message)
+            elif kind == ABORT:
+                self._on_abort(conn, message)
+            elif kind == PING:
+                conn.send(self._heartbeat())
+            elif kind == SHUTDOWN:
+                self._on_shutdown(message)
+        except ProtocolError as e:
+            conn.send(error_message(str(e)))
+        except Exception as e:  # a bug handling one message must not end the connection or the worker
+            log.exception("failed to handle a message")
+            conn.send(error_message(f"internal error: {e!r}"))
+
+    def _on_add(self, conn: Connection, message: dict[str, Any]) -> None:
+        try:
+            request = parse_add(message)
+        except InvalidRequestError as e:
+            conn.send(rejected_message(message["request_id"], message.get("epoch", 0), str(e)))
+            return
+        self.loop.add(conn, request)
+
+    def _on_abort(self, conn: Connection, message: dict[str, Any]) -> None:
+        request_id = message.get("request_id")
+        if not isinstance(request_id, str):
+            raise ProtocolError("an abort message needs a string request_id")
+        self.loop.abort(conn, request_id)
+
+    def _on_shutdown(self, message: dict[str, Any]) -> None:
+        grace = message.get("grace_period", 0.0)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+            raise ProtocolError(f"grace_period must be a number of seconds >= 0, got {grace!r}")
+        log.info("shutdown requested by the client (grace period %.1f s)", grace)
+        self.request_shutdown(float(grace))
+
+    # ---- heartbeats -----------------------------------------------------------------------------------------
+    def _send_heartbeats(self) -> None:
+        while True:
+            time.sleep(self.heartbeat_interval)
+            conn = self._current
+            if conn is not None:
+                conn.send(self._heartbeat())
+
+    def _heartbeat(self) -> dict[str, Any]:
+        stats = dataclasses.replace(self.loop.stats, step_in_progress_s=self.loop.step_seconds())
+        return heartbeat_message(next(self._heartbeat_seq), time.monotonic(), stats)
+
+    def _on_engine_loop_crash(self, error: BaseException) -> None:
+        """Without its step thread the worker would heartbeat forever and serve nothing: exit instead (the
+        connection closes, so the client knows at once)."""
+        self.exit_code = 1
+        self._shutdown.set()
+
+
+# ---- the process ----------------------------------------------------------------------------------------------
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel for SIGTERM when the parent exits (Linux only). Note: the kernel watches the parent *thread*
+    that forked us, so a supervisor must spawn workers from a thread that lives as long as it does."""
+    if not sys.platform.startswith("linux"):
+        log.warning("--die-with-parent is only supported on Linux; ignored")
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def model_name(config: EngineConfig) -> str:
+    from ..models.loader import default_model_path
+
+    path = os.path.normpath(config.model or default_model_path())
+    name = os.path.basename(path)
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float) -> WorkerHello:
+    return WorkerHello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, pid=os.getpid(),
+                       model=model_name(config), max_model_len=engine.max_model_len,
+                       vocab_size=engine.model_config.vocab_size, eos_token_ids=sorted(engine.eos_token_ids),
+                       kv_num_blocks=engine.kv_cache.num_blocks, kv_block_size=engine.kv_cache.block_size,
+                       max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                       heartbeat_interval=heartbeat_interval)
+
+
+def run_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
+               heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, worker_id: str | None = None,
+               parent_pid: int | None = None) -> int:
+    """The `inferd worker` process. parent_pid (the parent at start-up): die when that parent dies."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    engine = Engine.from_config(config)
+    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    server = WorkerServer(engine, build_hello(engine, config, worker_id, heartbeat_interval), host, port,
+                          heartbeat_interval)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.request_shutdown(0.0))
+    server.serve_forever()
+    return server.exit_code

@@ -1,0 +1,139 @@
+"""Worker processes for the tests: `python -m inferd worker` on the tiny Llama, each in its own process group (killed
+whole at teardown), ready once it printed its READY line."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 120.0  # model load on a busy 2-core machine; normally ~5 s
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+# an intermediate parent: starts the worker command in argv, prints "WORKER_PID READY tcp://HOST:PORT", waits
+PARENT_CODE = ("import subprocess, sys\n"
+               "w = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)\n"
+               "print(w.pid, w.stdout.readline().decode().strip(), flush=True)\n"
+               "w.wait()\n")
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen  # the worker, or its intermediate parent
+    pid: int  # the worker's
+    host: str
+    port: int
+    log_path: Path  # the worker's stderr
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def is_gone(self) -> bool:
+        return process_gone(self.pid)
+
+    def wait_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_gone():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+
+def worker_command(model_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "inferd", "worker", "--model", str(model_dir), "--port", "0", "--dtype", "float32",
+            "--kv-cache-bytes", "64M", *extra]
+
+
+def read_line(proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
+    """The first stdout line of proc (opened unbuffered, binary), without ever blocking past timeout."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while b"\n" not in data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no line from pid {proc.pid} in {timeout} s; log:\n{log_path.read_text()}")
+            if sel.select(remaining):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(f"pid {proc.pid} exited ({proc.wait()}) before its first line; log:\n"
+                                       f"{log_path.read_text()}")
+                data += chunk
+    return data.split(b"\n", 1)[0].decode()
+
+
+def parse_ready(line: str) -> tuple[str, int]:
+    assert line.startswith("READY tcp://"), line
+    host, port = line.removeprefix("READY tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+def start_process(command: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, bufsize=0, env=ENV,
+                                start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+def process_gone(pid: int) -> bool:
+    """True once pid no longer runs: gone, or a zombie its (new) parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def spawn_worker(tiny_llama_dir, tmp_path):
+    """A factory of worker processes, all killed (whole process group) at the end of the test."""
+    procs: list[subprocess.Popen] = []
+
+    def spawn(*extra: str, via_parent: bool = False, model: str | Path | None = None) -> WorkerProcess:
+        """via_parent: the worker is the child of an intermediate `python -c` (whose proc is returned).
+        model: another model than the tiny Llama."""
+        log_path = tmp_path / f"worker-{len(procs)}.log"
+        command = worker_command(model or tiny_llama_dir, *extra)
+        proc = start_process([sys.executable, "-c", PARENT_CODE, *command] if via_parent else command, log_path)
+        procs.append(proc)
+        line = read_line(proc, READY_TIMEOUT_S, log_path)
+        pid, line = line.split(" ", 1) if via_parent else (proc.pid, line)
+        return WorkerProcess(proc, int(pid), *parse_ready(line), log_path)
+
+    yield spawn
+    for proc in procs:
+        kill_group(proc)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama_dir, tmp_path_factory):
+    """One worker shared by the module's tests, with frequent heartbeats (0.1 s) so that waiting on stats is fast."""
+    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
+    proc = start_process(worker_command(tiny_llama_dir, "--heartbeat-interval", "0.1", "--die-with-parent"),
+                         log_path)
+    try:
+        yield WorkerProcess(proc, proc.pid, *parse_ready(read_line(proc, READY_TIMEOUT_S, log_path)), log_path)
+    finally:
+        kill_group(proc)

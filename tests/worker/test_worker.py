@@ -1,0 +1,416 @@
+"""The worker process and its protocol over real processes, sockets and signals: streaming parity with the offline
+engine, refusals, aborts, dropped and replaced connections, heartbeats, death detection (kill -9, SIGSTOP, a dead
+parent), graceful shutdown and malformed frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import struct
+import time
+
+import pytest
+import torch
+from parity import Reference, assert_greedy_parity
+
+from inferd.config import EngineConfig
+from inferd.engine import Engine, InvalidRequestError, SamplingParams
+from inferd.models.build import load_model
+from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead
+from inferd.worker.protocol import (ADD, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED, FrameDecoder,
+                                    ProtocolError, decode_message, encode_frame, read_frame, sampling_params_from_dict,
+                                    sampling_params_to_dict)
+
+PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
+MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]
+LONG = 800  # output tokens of a request still running when the test acts on it (prompts + 800 <= 1024)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """The offline engine on the same model and settings as the workers, recording logits for near-tie checks."""
+    model, cfg, tok = load_model(str(tiny_llama_dir), dtype=torch.float32)
+    return Engine(model, cfg, EngineConfig(kv_cache_bytes=64 << 20, record_logits=True), torch.float32, tok)
+
+
+@pytest.fixture(scope="module")
+def prompts(reference):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, reference.model_config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def assert_same_greedy(ours: list[int], ref_req) -> None:
+    """By the exactness rule (tests/parity.py), against the offline engine's recorded logits."""
+    ref = Reference(ref_req.output_token_ids, torch.stack(ref_req.debug_logits).numpy())
+    assert_greedy_parity(ours, None, ref)
+
+
+async def collect(client: WorkerClient, request_id: str, prompt: list[int], params: SamplingParams, **kw):
+    return [out async for out in client.generate(request_id, prompt, params, **kw)]
+
+
+def tokens(outputs) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def idle(stats) -> bool:
+    return stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_in_use == 0
+
+
+async def first_output(stream):
+    out = await asyncio.wait_for(anext(stream), 30)
+    assert not out.finished
+    return out
+
+
+# ---- streaming ------------------------------------------------------------------------------------------------
+def test_concurrent_streams_match_the_offline_engine(worker, reference, prompts):
+    refs = reference.generate(prompts, [greedy(n) for n in MAX_NEW])
+
+    async def main():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            assert client.hello.vocab_size == reference.model_config.vocab_size
+            assert client.hello.max_model_len == reference.max_model_len
+            runs = [collect(client, f"parity-{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
+            return await asyncio.wait_for(asyncio.gather(*runs), 60), client.num_batched_output_messages
+
+    streams, batched = asyncio.run(main())
+    assert batched >= 1  # at least one engine step carried several requests in one message
+    for outs, prompt, n, ref in zip(streams, prompts, MAX_NEW, refs):
+        assert_same_greedy(tokens(outs), ref)
+        last = outs[-1]
+        assert last.finished and last.finish_reason == "length" and not any(o.finished for o in outs[:-1])
+        assert (last.num_prompt_tokens, last.num_output_tokens) == (len(prompt), n)
+
+
+def test_invalid_requests_are_rejected_without_disturbing_others(worker, reference, prompts):
+    bad = [([], greedy(5)), (prompts[1], SamplingParams(max_tokens=0)), (prompts[1], SamplingParams(top_p=0.0)),
+           (list(range(1, 1000)), greedy(100)), ([1, 2, reference.model_config.vocab_size], greedy(4))]
+    expected = []
+    for prompt, params in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            reference.validate(prompt, params)
+        expected.append(str(e.value))
+    [ref] = reference.generate([prompts[2]], greedy(40))
+
+    async def refused(client, i, prompt, params):
+        with pytest.raises(RequestRejected) as e:
+            await collect(client, f"bad-{i}", prompt, params, epoch=7)
+        return str(e.value)
+
+    async def main():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            good = asyncio.create_task(collect(client, "good", prompts[2], greedy(40)))
+            messages = await asyncio.gather(*[refused(client, i, p, sp) for i, (p, sp) in enumerate(bad)])
+            unsendable = await refused(client, "nan", prompts[1], SamplingParams(temperature=float("nan")))
+            return messages, unsendable, await asyncio.wait_for(good, 30)
+
+    messages, unsendable, good = asyncio.run(main())
+    assert messages == expected
+    assert "cannot be sent" in unsendable  # JSON has no NaN: refused by the client itself
+    assert_same_greedy(tokens(good), ref)
+    assert good[-1].finish_reason == "length"
+
+
+def test_client_abort_ends_the_stream_with_abort(worker, prompts):
+    async def main():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            stream = client.generate("to-abort", prompts[0], greedy(LONG))
+            await first_output(stream)
+            client.abort("to-abort")
+            rest = [out async for out in stream]
+            await client.wait_for_stats(idle, timeout=5)
+            return rest
+
+    rest = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert rest[-1].num_output_tokens < LONG
+
+
+def test_leaving_a_stream_early_frees_its_blocks(worker, prompts):
+    async def main():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            stream = client.generate("left", prompts[3], greedy(LONG))
+            await first_output(stream)
+            busy = await client.wait_for_stats(lambda s: s.running == 1 and s.kv_blocks_in_use > 0, timeout=5)
+            await stream.aclose()  # what the API does when its HTTP client goes away
+            after = await client.wait_for_stats(idle, timeout=5)
+            return busy, after
+
+    busy, after = asyncio.run(main())
+    assert after.num_steps - busy.num_steps < LONG // 2  # stopped within a few steps, not run to the end
+    assert after.kv_blocks_free == after.kv_num_blocks
+
+
+def test_a_dropped_connection_frees_its_requests(worker, prompts):
+    async def dropped():
+        client = await WorkerClient.connect(worker.host, worker.port)
+        streams = [client.generate(f"drop-{i}", prompts[i], greedy(LONG)) for i in range(3)]
+        for s in streams:
+            await first_output(s)
+        await client.wait_for_stats(lambda s: s.running == 3, timeout=5)
+        await client.close()  # no abort is sent
+        with pytest.raises(WorkerDead):  # after the outputs that had already arrived
+            await collect_rest(streams[0])
+
+    async def next_client():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            stats = await client.wait_for_stats(idle, timeout=5)
+            outs = await asyncio.wait_for(collect(client, "after-drop", prompts[0], greedy(8)), 30)
+            return stats, outs
+
+    asyncio.run(dropped())
+    stats, outs = asyncio.run(next_client())
+    assert stats.kv_blocks_free == stats.kv_num_blocks
+    assert outs[-1].num_output_tokens == 8 and outs[-1].finish_reason == "length"
+
+
+def test_a_new_connection_replaces_the_current_one(worker, prompts):
+    async def main():
+        old = await WorkerClient.connect(worker.host, worker.port)
+        stream = old.generate("old", prompts[0], greedy(LONG))
+        await first_output(stream)
+        async with await WorkerClient.connect(worker.host, worker.port) as new:
+            with pytest.raises(WorkerDead):
+                await asyncio.wait_for(collect_rest(stream), 10)
+            await new.wait_for_stats(idle, timeout=5)
+            return await asyncio.wait_for(collect(new, "new", prompts[1], greedy(5)), 30)
+
+    outs = asyncio.run(main())
+    assert outs[-1].num_output_tokens == 5
+
+
+async def collect_rest(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_heartbeats_flow_while_a_long_request_runs(worker, prompts):
+    async def main():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            interval = client.hello.heartbeat_interval
+            before, t0 = client.num_heartbeats, time.monotonic()
+            outs = await asyncio.wait_for(collect(client, "long", prompts[0], greedy(300)), 60)
+            return client.num_heartbeats - before, time.monotonic() - t0, interval, outs
+
+    beats, seconds, interval, outs = asyncio.run(main())
+    assert tokens(outs) and outs[-1].num_output_tokens == 300
+    assert beats >= max(2, int(0.5 * seconds / interval)), f"{beats} heartbeats in {seconds:.2f} s"
+
+
+# ---- death --------------------------------------------------------------------------------------------------------
+def test_kill_9_fails_the_open_stream_within_the_heartbeat_timeout(spawn_worker, prompts):
+    proc = spawn_worker()
+
+    async def main():
+        async with await WorkerClient.connect(proc.host, proc.port, heartbeat_timeout=2.0) as client:
+            stream = client.generate("doomed", prompts[0], greedy(LONG))
+            await first_output(stream)
+            os.kill(proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerDead):
+                await asyncio.wait_for(collect_rest(stream), 10)
+            return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 2.0 + 1.0
+
+
+def test_a_long_step_never_looks_like_death_but_a_hung_worker_does(spawn_worker, smollm2_gguf_path):
+    """SmolLM2-135M prefilling 1000 tokens in one step takes seconds on a CPU: the heartbeat thread keeps the
+    client's watchdog (2 s) satisfied throughout. Then SIGSTOP: no frame at all, dead within the timeout."""
+    interval, timeout = 0.1, 2.0
+    proc = spawn_worker("--heartbeat-interval", str(interval), "--max-num-batched-tokens", "1024",
+                        model=smollm2_gguf_path)
+    prompt = torch.randint(0, 49152, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with await WorkerClient.connect(proc.host, proc.port, heartbeat_timeout=timeout) as client:
+            arrivals = []
+            recorder = asyncio.create_task(record_heartbeats(client, arrivals))
+            try:
+                t0 = loop.time()
+                stream = client.generate("long-step", prompt, greedy(400))  # 1400 tokens: the cache holds 1456
+                await first_output(stream)  # after the one step that ran the whole prompt
+                step_seconds = loop.time() - t0
+                times = [t for t, _ in arrivals]
+                gaps = [b - a for a, b in zip([t0] + times, times + [loop.time()])]
+                in_step = max(stats.step_in_progress_s for _, stats in arrivals)
+                os.kill(proc.pid, signal.SIGSTOP)
+                t_stop = loop.time()
+                with pytest.raises(WorkerDead, match="no frame from the worker"):
+                    await asyncio.wait_for(collect_rest(stream), 10)
+                return step_seconds, max(gaps), in_step, loop.time() - t_stop, proc.proc.poll() is None
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
+
+    step_seconds, max_gap, in_step, hung_seconds, still_there = asyncio.run(main())
+    # the contract is "no gap near the 2 s timeout"; 10 intervals leaves room for a loaded CI machine
+    assert step_seconds > 1.5 * 10 * interval, f"the step ({step_seconds:.2f} s) is too short to test anything"
+    assert max_gap < 10 * interval, f"a {max_gap:.2f} s gap between heartbeats during a {step_seconds:.2f} s step"
+    assert step_seconds - 1.5 < in_step <= step_seconds  # the heartbeats said how long the step had been running
+    assert still_there  # stopped, not gone, when declared dead: the watchdog noticed, not a closed socket
+    assert timeout - 0.5 <= hung_seconds < timeout + 2.0
+
+
+async def record_heartbeats(client: WorkerClient, arrivals: list) -> None:
+    """Appends (arrival time, stats) for every heartbeat, until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        stats = await client.next_heartbeat()
+        arrivals.append((loop.time(), stats))
+
+
+def test_the_worker_exits_gracefully_when_its_parent_dies(spawn_worker, prompts):
+    proc = spawn_worker("--die-with-parent", via_parent=True)
+
+    async def main():
+        async with await WorkerClient.connect(proc.host, proc.port) as client:
+            stream = client.generate("orphan", prompts[0], greedy(LONG))
+            await first_output(stream)
+            proc.proc.kill()  # SIGKILL to the parent: the kernel sends the worker SIGTERM
+            outs = await asyncio.wait_for(collect_rest(stream), 10)
+            return outs, await asyncio.wait_for(client.wait_dead(), 10)
+
+    outs, dead = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort"  # SIGTERM is a graceful stop: in-flight requests aborted and told
+    assert "lost" in str(dead)
+    assert proc.wait_gone(timeout=10)
+    assert "stopped" in proc.log()
+
+
+def test_shutdown_finishes_running_requests_and_exits_0(spawn_worker, prompts):
+    proc = spawn_worker()
+
+    async def main():
+        client = await WorkerClient.connect(proc.host, proc.port)
+        stream = client.generate("last", prompts[0], greedy(100))
+        first = await first_output(stream)
+        shutdown = asyncio.create_task(client.shutdown(grace_period=30))
+        await asyncio.sleep(0)  # the shutdown frame goes out before the next add
+        with pytest.raises(RequestRejected, match="shutting down"):
+            await collect(client, "too-late", prompts[1], greedy(5))
+        rest = await asyncio.wait_for(collect_rest(stream), 30)
+        await asyncio.wait_for(shutdown, 10)
+        return [first] + rest
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 100
+    assert proc.proc.wait(timeout=10) == 0
+
+
+# ---- malformed input ----------------------------------------------------------------------------------------------
+class RawConnection:
+    """A bare socket speaking frames, to send what a well-behaved client never would."""
+
+    def __init__(self, host: str, port: int):
+        self.sock = socket.create_connection((host, port), timeout=10)
+        assert self.receive()["type"] == HELLO
+
+    def send(self, message) -> None:
+        self.sock.sendall(encode_frame(message))
+
+    def send_body(self, body: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(body)) + body)
+
+    def receive(self) -> dict | None:
+        body = read_frame(self.sock)
+        return None if body is None else json.loads(body)
+
+    def receive_until(self, kind: str) -> dict:
+        while True:
+            message = self.receive()
+            assert message is not None, f"connection closed while waiting for {kind!r}"
+            if message["type"] == kind:
+                return message
+
+    def errors_until_closed(self) -> list[str]:
+        """The errors received until the worker closed the connection (heartbeats aside)."""
+        errors = []
+        try:
+            while (message := self.receive()) is not None:
+                if message["type"] == ERROR:
+                    errors.append(message["error"])
+                else:
+                    assert message["type"] == HEARTBEAT, message
+        except ConnectionResetError:  # closed with our unread bytes in its buffer: the kernel resets
+            pass
+        return errors
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_malformed_frames_get_errors_and_the_worker_keeps_serving(worker, reference, prompts):
+    raw = RawConnection(worker.host, worker.port)
+    params = sampling_params_to_dict(greedy(200))
+    raw.send({"type": ADD, "request_id": "raw-ok", "epoch": 3, "prompt_token_ids": prompts[0], "params": params})
+    for body, match in [(b"{not json", "JSON"), (b"\xff\xfe", "JSON"), (b"[1, 2]", "object"),
+                        (b'{"type": "bogus"}', "unknown message type"), (b'{"type": "add"}', "request_id")]:
+        raw.send_body(body)
+        assert match in raw.receive_until(ERROR)["error"]
+    raw.send({"type": ADD, "request_id": "raw-typo", "epoch": 1, "prompt_token_ids": [1, 2],
+              "params": {"temprature": 0}})
+    rejected = raw.receive_until(REJECTED)
+    assert rejected["request_id"] == "raw-typo" and "temprature" in rejected["error"]
+    got = []  # the good request was not lost among the bad frames
+    while not (got and got[-1]["finished"]):
+        got += [e for e in raw.receive_until(OUTPUTS)["outputs"] if e["request_id"] == "raw-ok"]
+    assert sum(len(e["new_token_ids"]) for e in got) == 200 and {e["epoch"] for e in got} == {3}
+    raw.sock.sendall(struct.pack(">I", MAX_FRAME_BYTES + 1))  # never allocated: an error, then the end
+    assert any("limit" in e for e in raw.errors_until_closed())
+    raw.close()
+
+    garbage = RawConnection(worker.host, worker.port)
+    garbage.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # "GET " read as a length is over the limit
+    assert all("limit" in e for e in garbage.errors_until_closed())  # an error, or a reset before we read it
+    garbage.close()
+    half = RawConnection(worker.host, worker.port)
+    half.sock.sendall(struct.pack(">I", 100) + b"{")  # gone in the middle of a frame
+    half.close()
+
+    async def still_serving():
+        async with await WorkerClient.connect(worker.host, worker.port) as client:
+            await client.wait_for_stats(idle, timeout=5)
+            return await asyncio.wait_for(collect(client, "after-garbage", prompts[4], greedy(6)), 30)
+
+    assert asyncio.run(still_serving())[-1].num_output_tokens == 6
+    assert worker.proc.poll() is None
+
+
+# ---- protocol units -----------------------------------------------------------------------------------------------
+def test_sampling_params_round_trip_and_unknown_keys():
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop=["\n\n"],
+                            stop_token_ids=[5, 6], ignore_eos=True, logprobs=2, priority=1, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.1, min_tokens=2)
+    wire = json.loads(json.dumps(sampling_params_to_dict(params)))
+    assert sampling_params_from_dict(wire) == params
+    assert sampling_params_from_dict({}) == SamplingParams()
+    with pytest.raises(InvalidRequestError, match="unknown sampling parameter.*temprature"):
+        sampling_params_from_dict({"temprature": 0.0})
+    with pytest.raises(InvalidRequestError, match="stop must be a list"):
+        sampling_params_from_dict({"stop": "\n"})
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        sampling_params_from_dict({"stop_token_ids": [True]})
+
+
+def test_frames_split_anywhere_decode_the_same():
+    messages = [{"type": OUTPUTS, "outputs": [{"n": i, "text": "é" * i}]} for i in range(5)]
+    stream = b"".join(encode_frame(m) for m in messages)
+    for chunk in (1, 3, 7, len(stream)):
+        decoder = FrameDecoder()
+        bodies = [b for i in range(0, len(stream), chunk) for b in decoder.feed(stream[i:i + chunk])]
+        assert [decode_message(b, frozenset({OUTPUTS})) for b in bodies] == messages
+    with pytest.raises(ProtocolError) as e:
+        FrameDecoder(max_frame_bytes=10).feed(struct.pack(">I", 11))
+    assert e.value.fatal
+    with pytest.raises(ProtocolError, match="over the"):
+        encode_frame({"type": OUTPUTS, "blob": "x" * MAX_FRAME_BYTES})
