@@ -11,6 +11,11 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, 
 DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # token budget of one step (decodes + prefill chunks)
 
+# worker protocol (inferd/worker)
+MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
+DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
+DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
+
 
 @dataclass
 class EngineConfig:

@@ -22,13 +22,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+# the limits live with every other limit, in inferd/config.py
+from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
 from ..engine.request import InvalidRequestError, SamplingParams
 from ..engine.sampler import TokenLogprob
 
 PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
-DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
-DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
 
 _LENGTH = struct.Struct(">I")
 
