@@ -13,7 +13,7 @@ import torch
 from ..config import EngineConfig, resolve_dtype
 from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
-from .request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
+from .request import FinishReason, InvalidRequestError, Request, SamplingParams
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
 from .scheduler import Scheduler

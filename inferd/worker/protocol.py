@@ -19,11 +19,12 @@ import dataclasses
 import json
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # the limits live with every other limit, in inferd/config.py
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
+from ..engine.engine import RequestOutput
 from ..engine.request import InvalidRequestError, SamplingParams
 from ..engine.sampler import TokenLogprob
 
@@ -195,26 +196,20 @@ class WorkerStats:
 
 
 @dataclass
-class WorkerOutput:
-    """What one engine step produced for one request, as the client sees it (mirrors engine.RequestOutput)."""
-    request_id: str
-    epoch: int
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+class WorkerOutput(RequestOutput):
+    """What one engine step produced for one request, as the client sees it: the engine's RequestOutput (without
+    text: the worker sends token ids) and the epoch of the dispatch it answers."""
+    epoch: int = 0
 
     @classmethod
     def from_wire(cls, entry: dict[str, Any]) -> "WorkerOutput":
         logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
                     for lp in entry.get("logprobs", [])]
-        return cls(entry["request_id"], entry["epoch"], entry["new_token_ids"], entry["finished"],
-                   entry["finish_reason"], entry["stop_reason"], entry["num_prompt_tokens"],
-                   entry["num_output_tokens"], entry["num_cached_tokens"], logprobs)
+        return cls(request_id=entry["request_id"], epoch=entry["epoch"], new_token_ids=entry["new_token_ids"],
+                   finished=entry["finished"], finish_reason=entry["finish_reason"],
+                   stop_reason=entry["stop_reason"], num_prompt_tokens=entry["num_prompt_tokens"],
+                   num_output_tokens=entry["num_output_tokens"], num_cached_tokens=entry["num_cached_tokens"],
+                   logprobs=logprobs)
 
 
 def output_entry(out, epoch: int) -> dict[str, Any]:
