@@ -306,3 +306,35 @@ def test_penalised_request_replays_identically(micro):
             assert i >= k and float(top2[0] - top2[1]) < 1e-3, f"position {i}: {a} != {b}"
             break
     assert req.num_output_tokens == orig.num_output_tokens
+
+
+def test_step_limits_hold_every_step(micro):
+    engine = micro.engine(max_num_seqs=3, max_num_batched_tokens=20)
+    for i in range(6):
+        engine.add_request([5 + i] * (10 + 7 * i), SamplingParams(max_tokens=6, ignore_eos=True))
+    seen_full = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) <= 3
+        assert engine.last_schedule.num_tokens <= 20
+        seen_full |= len(engine.scheduler.running) == 3 and bool(engine.scheduler.waiting)
+    assert seen_full  # the cap was actually reached while others waited
+    engine.kv_cache.check_no_leaks()
+
+
+def test_inconsistent_engine_limits_are_refused(micro):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        micro.engine(max_num_seqs=32, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="less than one KV block"):
+        micro.engine(blocks=0)
+
+
+def test_cli_sizes_parse():
+    import argparse
+
+    from inferd.cli import parse_bytes
+
+    assert parse_bytes("1073741824") == 1 << 30
+    assert parse_bytes("512M") == 512 << 20 and parse_bytes("2G") == 2 << 30 and parse_bytes("1.5GiB") == 3 << 29
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
