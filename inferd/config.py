@@ -28,6 +28,9 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    # incremental text on every output (offline use, the CLI); a worker sends token ids only and leaves text to the
+    # API process, so it turns this off (a request with stop strings is still detokenized, to find them)
+    detokenize: bool = True
     record_logits: bool = False  # keep every sampled row's logits on the request (tests, debugging)
 
 

@@ -156,7 +156,7 @@ class Engine:
         if self.config.record_logits:
             req.debug_logits = []
         self.requests[request_id] = req
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (self.config.detokenize or params.stop):
             from ..models.tokenizer import IncrementalDetokenizer
             self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
                                                 params.stop)

@@ -12,7 +12,6 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -82,7 +81,7 @@ def load_model_config(path: str | os.PathLike[str]) -> ModelConfig:
             raise FileNotFoundError(f"no config.json in model folder {path}")
         with open(config_file, encoding="utf-8") as f:
             config = ModelConfig.from_hf_dict(json.load(f))
-        eos = _dedup(config.eos_token_ids + generation_config_eos_ids(path))
+        eos = list(dict.fromkeys(config.eos_token_ids + generation_config_eos_ids(path)))
         config.eos_token_ids = eos
         return config
     if os.path.isfile(path):
@@ -103,14 +102,6 @@ def generation_config_eos_ids(folder: str | os.PathLike[str]) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-def _dedup(ids: Iterable[int]) -> list[int]:
-    out: list[int] = []
-    for i in ids:
-        if i not in out:
-            out.append(i)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -261,7 +252,7 @@ def _load_safetensors_folder(
     if os.path.isfile(index_file):
         with open(index_file, encoding="utf-8") as f:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = _dedup(weight_map.values())
+        files = list(dict.fromkeys(weight_map.values()))
     else:
         files = sorted(p.name for p in Path(folder).glob("*.safetensors"))
     if not files:

@@ -32,11 +32,8 @@ _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", 
 
 
 def _dedup(ids: Iterable[int | None]) -> list[int]:
-    out: list[int] = []
-    for i in ids:
-        if i is not None and int(i) not in out:
-            out.append(int(i))
-    return out
+    """Ids in first-seen order, without None and repeats."""
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -281,7 +278,7 @@ class Tokenizer:
             if not ok:
                 break
             c = contents[k]
-            for candidate in _dedup_str((c, c.strip(), c.rstrip(), c.lstrip())):
+            for candidate in dict.fromkeys((c, c.strip(), c.rstrip(), c.lstrip())):
                 if rendered.startswith(candidate + t, pos):
                     segments += [(candidate, True), (t, False)]
                     pos += len(candidate) + len(t)
@@ -329,14 +326,6 @@ class Tokenizer:
                 strip_next = bool(getattr(token, "rstrip", False))
         flush()
         return ids
-
-
-def _dedup_str(items: Iterable[str]) -> list[str]:
-    out: list[str] = []
-    for s in items:
-        if s not in out:
-            out.append(s)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

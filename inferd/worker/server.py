@@ -250,7 +250,7 @@ def run_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    engine = Engine.from_config(config)
+    engine = Engine.from_config(dataclasses.replace(config, detokenize=False))  # the worker sends token ids
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     server = WorkerServer(engine, build_hello(engine, config, worker_id, heartbeat_interval), host, port,
                           heartbeat_interval)
