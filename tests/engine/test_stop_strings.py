@@ -69,3 +69,15 @@ def test_earliest_stop_string_wins(engine):
                                                         stop=[late, early]))
     assert "".join(c.new_text for c in chunks) == full[:full.find(early)]
     assert req.stop_reason == early
+
+
+def test_detokenize_off_sends_no_text_but_still_honours_stop_strings(engine, tiny_llama_dir):
+    model, cfg, tok = engine.runner.model, engine.model_config, engine.tokenizer
+    quiet = Engine(model, cfg, EngineConfig(kv_cache_bytes=32 << 20, detokenize=False), torch.float32, tok)
+    prompt = tok.encode("The weather today")
+    req, chunks = stream(quiet, prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert all(c.new_text == "" for c in chunks) and req.num_output_tokens == 20
+    full = tok.decode(req.output_token_ids)
+    stop = full[5:8]
+    req, chunks = stream(quiet, prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))
+    assert req.stop_reason == stop and "".join(c.new_text for c in chunks) == full[:full.find(stop)]
