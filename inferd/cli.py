@@ -1,5 +1,6 @@
-"""The `inferd` command: generate (one raw prompt, offline) and chat (a terminal chat), both streaming; worker (one
-engine behind the worker protocol, for a gateway)."""
+"""The `inferd` command: serve (the OpenAI-compatible server, which runs its own worker process); worker (one
+engine behind the worker protocol, for a gateway); bench (a load generator for a running server); generate (one
+raw prompt, offline) and chat (a terminal chat), both streaming."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import sys
 # after arming PR_SET_PDEATHSIG, to notice a parent that died in between.
 _PARENT_PID_AT_START = os.getppid()
 
-from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                     DEFAULT_MAX_NUM_SEQS, EngineConfig)
+from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
+                     DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PORT,
+                     MAX_REQUEST_BODY_BYTES, EngineConfig)
 
 
 def parse_bytes(text: str) -> int:
@@ -120,6 +122,42 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(text)})
 
 
+def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
+    """The engine options of `inferd serve`, as `inferd worker` arguments."""
+    out = ["--model", model_path, "--dtype", args.dtype, "--device", args.device,
+           "--kv-cache-bytes", str(args.kv_cache_bytes), "--block-size", str(args.block_size),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--heartbeat-interval", str(args.heartbeat_interval)]
+    if args.max_model_len is not None:
+        out += ["--max-model-len", str(args.max_model_len)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .api.server import ServeOptions, default_served_name, run_server
+    from .models.loader import default_model_path
+
+    model_path = os.path.abspath(args.model) if args.model else default_model_path()
+    if not os.path.exists(model_path):
+        print(f"error: model path {model_path} does not exist", file=sys.stderr)
+        return 2
+    api_key = args.api_key if args.api_key is not None else os.environ.get("INFERD_API_KEY") or None
+    opts = ServeOptions(host=args.host, port=args.port, model_path=model_path,
+                        served_model_name=args.served_model_name or default_served_name(model_path),
+                        worker_args=worker_args(args, model_path), api_key=api_key,
+                        max_body_bytes=args.max_body_bytes, heartbeat_timeout=args.heartbeat_timeout,
+                        shutdown_grace=args.shutdown_grace, log_level=args.log_level)
+    return run_server(opts)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.loadgen import cmd_bench as run
+
+    return run(args)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from .worker.server import run_worker
 
@@ -129,10 +167,32 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .worker.protocol import DEFAULT_HEARTBEAT_INTERVAL
-
     parser = argparse.ArgumentParser(prog="inferd", description="inferd: LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (starts and supervises a worker process)")
+    s.add_argument("--host", default=DEFAULT_HOST)
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
+                   "default: $INFERD_API_KEY, else no key")
+    s.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_REQUEST_BODY_BYTES,
+                   help="largest request body accepted (413 beyond; default 8M)")
+    s.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
+                   help=f"seconds between the worker's heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})")
+    s.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT,
+                   help=f"silence after which the worker is declared dead (default {DEFAULT_HEARTBEAT_TIMEOUT} s)")
+    s.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds open responses get to finish after SIGTERM (default 5)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    from .bench.loadgen import add_bench_arguments
+
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("generate", help="complete one raw prompt (no chat template) and print it as it streams")
     g.add_argument("prompt")

@@ -16,6 +16,19 @@ MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is 
 DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
 DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
 
+# the API server (inferd/api)
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+MAX_REQUEST_BODY_BYTES = 8 << 20  # 8 MiB: a 32k-token prompt as JSON token ids is ~250 KB, as text ~150 KB
+MAX_N = 16  # choices per request (`n`)
+MAX_PROMPTS_PER_REQUEST = 64  # a /v1/completions batch (`prompt` as a list of prompts)
+MAX_CHOICES_PER_REQUEST = 128  # prompts x n
+MAX_LOGPROBS = 20  # `logprobs` (completions) and `top_logprobs` (chat)
+MAX_STOP_STRINGS = 16  # entries of `stop`
+MAX_STOP_STRING_CHARS = 1024  # the text held back while it could still become a stop string
+WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up
+WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crashed worker is started again
+
 
 @dataclass
 class EngineConfig:

@@ -81,3 +81,55 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 def tiny_qwen2_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A random Qwen2 (QKV bias, tied embeddings) with SmolLM2's tokenizer."""
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smollm2_tokenizer, tie_word_embeddings=True)
+
+
+# ---- servers (real `inferd serve` processes) ---------------------------------------------------------------------
+TINY_MAX_MODEL_LEN = 256
+API_KEY = "test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir, tmp_path_factory):
+    """`inferd serve` on the tiny Llama (context 256), with an API key, a 1 MiB body limit and 0.1 s heartbeats."""
+    from servers import kill_group, start_server
+
+    log = tmp_path_factory.mktemp("tiny-server") / "serve.log"
+    server = start_server(tiny_llama_dir, log, "--max-model-len", str(TINY_MAX_MODEL_LEN), "--kv-cache-bytes", "64M",
+                          "--max-body-bytes", "1M", "--heartbeat-interval", "0.1", api_key=API_KEY,
+                          model_name="tiny-llama")
+    yield server
+    kill_group(server.proc)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """`inferd serve` on the default model (SmolLM2 GGUF) in float32, without an API key."""
+    from servers import kill_group, start_server
+
+    log = tmp_path_factory.mktemp("smollm2-server") / "serve.log"
+    server = start_server(None, log, "--kv-cache-bytes", "256M", "--heartbeat-interval", "0.1",
+                          model_name="smollm2")
+    yield server
+    kill_group(server.proc)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_llama_dir):
+    """The offline engine on the tiny Llama, recording logits: the reference the server is compared with."""
+    from inferd.config import EngineConfig
+    from inferd.engine import Engine
+
+    return Engine.from_config(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_bytes=64 << 20,
+                                           max_model_len=TINY_MAX_MODEL_LEN, record_logits=True))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_fp32):
+    import torch
+
+    from inferd.config import EngineConfig
+    from inferd.engine import Engine
+
+    model, config, tokenizer = smollm2_fp32
+    return Engine(model, config, EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, record_logits=True),
+                  torch.float32, tokenizer)

@@ -42,35 +42,6 @@ class StepStats:
     seconds: float = 0.0
 
 
-class _TextState:
-    """Incremental text of one request, holding back what could still become a stop string."""
-
-    def __init__(self, detokenizer, stops: list[str]):
-        self.detok = detokenizer
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""  # decoded so far
-        self.emitted = 0  # characters of text already sent
-
-    def add(self, token_ids: list[int], final: bool) -> tuple[str, str | None]:
-        """Returns (new text to emit, the stop string matched or None)."""
-        start = max(0, len(self.text) - self.hold)
-        self.text += self.detok.add(token_ids)
-        if final:
-            self.text += self.detok.flush()  # an incomplete UTF-8 tail is emitted as the tokenizer decodes it
-        matches = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, start - len(s)))) != -1]
-        if matches:
-            i, s = min(matches)  # the earliest stop string in the text wins
-            self.text = self.text[:i]
-            out = self.text[self.emitted:]
-            self.emitted = len(self.text)
-            return out, s
-        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted:end]
-        self.emitted = end
-        return out, None
-
-
 class Engine:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  dtype: torch.dtype, tokenizer=None):
@@ -88,7 +59,7 @@ class Engine:
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self._text: dict[str, _TextState] = {}
+        self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         eos = set(model_config.eos_token_ids)
@@ -99,14 +70,15 @@ class Engine:
         self.last_schedule = None  # the most recent step's SchedulerOutput (tests, metrics)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
+    def from_config(cls, config: EngineConfig, progress=None) -> "Engine":
+        """progress(done, total): called as weight tensors load."""
         from ..models.build import load_model
         from ..models.loader import default_model_path
 
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)
         model, model_config, tokenizer = load_model(path, dtype=dtype, device=config.device,
-                                                    max_positions=config.max_model_len)
+                                                    max_positions=config.max_model_len, progress=progress)
         return cls(model, model_config, config, dtype, tokenizer)
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -157,9 +129,9 @@ class Engine:
             req.debug_logits = []
         self.requests[request_id] = req
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
-            from ..models.tokenizer import IncrementalDetokenizer
-            self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-                                                params.stop)
+            from ..models.tokenizer import IncrementalDetokenizer, TextWithStops
+            self._text[request_id] = TextWithStops(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+                                                  params.stop)
         self.scheduler.add(req)
         return request_id
 

@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses before scheduling it (bad parameters, too long, larger than the pool)."""
 
@@ -55,7 +58,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this, logits / temperature overflows float32: such a temperature means greedy (as in vLLM)
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -21,11 +21,12 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               max_positions: int | None = None):
+               max_positions: int | None = None, progress=None):
+    """progress(done, total): called as weight tensors load (a progress bar)."""
     from .loader import load_model_config, load_state_dict
     from .tokenizer import load_tokenizer
 
     config = load_model_config(path)
-    state = load_state_dict(path, config, dtype)
+    state = load_state_dict(path, config, dtype, progress)
     model = build_model(config, state, dtype, device, max_positions)
     return model, config, load_tokenizer(path)

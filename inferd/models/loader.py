@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -209,15 +210,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_state_dict(
-    path: str | os.PathLike[str], config: ModelConfig, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], config: ModelConfig, dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load the weights of `path` (HF folder with safetensors, or .gguf) as a HF-named state dict in `dtype`."""
+    """Load the weights of `path` (HF folder with safetensors, or .gguf) as a HF-named state dict in `dtype`.
+    progress(done, total) is called after each tensor (for a progress bar)."""
     path = os.fspath(path)
     expected = expected_weight_shapes(config)
     if os.path.isdir(path):
-        tensors = _load_safetensors_folder(path, expected, dtype)
+        tensors = _load_safetensors_folder(path, expected, dtype, progress)
     elif os.path.isfile(path) and path.lower().endswith(".gguf"):
-        tensors = _load_gguf(path, config, expected, dtype)
+        tensors = _load_gguf(path, config, expected, dtype, progress)
     elif os.path.exists(path):
         raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
     else:
@@ -244,7 +247,8 @@ def _normalize_hf_name(name: str) -> str:
 
 
 def _load_safetensors_folder(
-    folder: str, expected: dict[str, tuple[int, ...]], dtype: torch.dtype
+    folder: str, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -266,6 +270,8 @@ def _load_safetensors_folder(
                 # Drops rotary inv_freq buffers, a tied lm_head.weight and anything else the runtime doesn't use.
                 if name in expected:
                     out[name] = f.get_tensor(key).to(dtype)
+                    if progress is not None:
+                        progress(len(out), len(expected))
     return out
 
 
@@ -290,7 +296,8 @@ def _gguf_to_hf_name(name: str) -> str | None:
 
 
 def _load_gguf(
-    path: str, config: ModelConfig, expected: dict[str, tuple[int, ...]], dtype: torch.dtype
+    path: str, config: ModelConfig, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
@@ -322,5 +329,7 @@ def _load_gguf(
         if not weights.flags.writeable or not weights.flags.c_contiguous:
             weights = np.array(weights)  # F32 tensors are views of the read-only memory map
         out[hf_name] = torch.from_numpy(weights).to(dtype)
+        if progress is not None:
+            progress(len(out), len(wanted))
     del reader
     return out

@@ -22,7 +22,9 @@ from typing import Any
 
 from .loader import generation_config_eos_ids, read_gguf_metadata
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "cache_dir", "gguf_tokenizer_cache_path", "load_tokenizer"]
+__all__ = [
+    "IncrementalDetokenizer", "TextWithStops", "Tokenizer", "cache_dir", "gguf_tokenizer_cache_path", "load_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -391,3 +393,33 @@ class IncrementalDetokenizer:
         self._chunks.append(delta)
         self._text = None
         return delta
+
+
+class TextWithStops:
+    """Incremental text of one request, holding back what could still become a stop string. The engine (to stop at
+    once) and the API process (to emit text that never contains a stop string) run the same logic."""
+
+    def __init__(self, detokenizer: "IncrementalDetokenizer", stops: list[str]):
+        self.detok = detokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # decoded so far
+        self.emitted = 0  # characters of text already sent
+
+    def add(self, token_ids: list[int], final: bool) -> tuple[str, str | None]:
+        """Returns (new text to emit, the stop string matched or None)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += self.detok.add(token_ids)
+        if final:
+            self.text += self.detok.flush()  # an incomplete UTF-8 tail is emitted as the tokenizer decodes it
+        matches = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, start - len(s)))) != -1]
+        if matches:
+            i, s = min(matches)  # the earliest stop string in the text wins
+            self.text = self.text[:i]
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out, s
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out, None

@@ -9,6 +9,7 @@ worker that breaks the protocol is dead at once. Death fails every open stream w
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,8 @@ class WorkerClient:
         self.num_batched_output_messages = 0  # `outputs` messages (engine steps) that carried more than one request
         self.num_stale_outputs = 0  # entries dropped: their request is no longer streamed here, or another epoch
         self.errors: list[str] = []  # protocol errors the worker reported about what we sent
+        # called with (step seconds, number of requests) for every `outputs` message of an engine step (metrics)
+        self.on_step: Callable[[float, int], None] | None = None
         self._streams: dict[str, _Stream] = {}
         self._dead: WorkerDead | None = None
         self._loop = asyncio.get_running_loop()
@@ -129,6 +132,11 @@ class WorkerClient:
     def abort(self, request_id: str) -> None:
         """Asks the worker to stop the request; its stream then ends with finish_reason "abort"."""
         self._send(abort_message(request_id))
+
+    @property
+    def num_streams(self) -> int:
+        """Requests in flight on this worker (dispatched by this client, not finished)."""
+        return len(self._streams)
 
     # ---- health ---------------------------------------------------------------------------------------------
     @property
@@ -212,8 +220,13 @@ class WorkerClient:
         entries = message["outputs"]
         self.num_output_messages += 1
         self.num_batched_output_messages += len(entries) > 1
+        step_s = message.get("step_s")
+        if self.on_step is not None and step_s is not None:
+            self.on_step(step_s, len(entries))
+        now = time.perf_counter()
         for entry in entries:
             out = WorkerOutput.from_wire(entry)
+            out.received_at = now
             stream = self._stream_for(out.request_id, out.epoch)
             if stream is not None:
                 stream.queue.put_nowait(out)

@@ -39,6 +39,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.on_crash = on_crash  # called from the step thread if the loop itself fails (a bug, not a bad step)
+        self._step_seconds_total = 0.0
         self.stats = self._snapshot()  # replaced (never mutated) between steps: safe to read from any thread
         self.step_started_at: float | None = None  # time.monotonic() of the step in progress, None between steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,7 +97,9 @@ class EngineLoop:
                 self._publish(self.engine.take_pending_outputs())
                 return
             if self.engine.has_unfinished_requests():
-                self._publish(self._step())
+                started = time.perf_counter()
+                outputs = self._step()
+                self._publish(outputs, time.perf_counter() - started)
                 continue
             self._publish(self.engine.take_pending_outputs())
             self._wake.wait(timeout=self._idle_timeout())
@@ -170,8 +173,11 @@ class EngineLoop:
             log.info("connection dropped: aborted %d request(s)", len(mine))
 
     # ---- outputs and stats ----------------------------------------------------------------------------------
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        """One `outputs` message per connection for this step, then a fresh stats snapshot."""
+    def _publish(self, outputs: list[RequestOutput], step_s: float | None = None) -> None:
+        """One `outputs` message per connection for this step (with its duration, when a step ran), then a fresh
+        stats snapshot."""
+        if step_s is not None:
+            self._step_seconds_total += step_s
         batches: dict[int, tuple[Peer, list[dict]]] = {}
         for out in outputs:
             dispatch = self._dispatches.get(out.request_id)
@@ -182,7 +188,7 @@ class EngineLoop:
             batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(output_entry(out, dispatch.epoch))
         step = self.engine.stats.num_steps
         for peer, entries in batches.values():
-            peer.send({"type": OUTPUTS, "step": step, "outputs": entries})
+            peer.send({"type": OUTPUTS, "step": step, "step_s": step_s, "outputs": entries})
         self.stats = self._snapshot()
 
     def _snapshot(self) -> WorkerStats:
@@ -191,4 +197,5 @@ class EngineLoop:
         return WorkerStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
                            kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
                            prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
-                           num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps)
+                           num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps,
+                           step_seconds_total=self._step_seconds_total)

@@ -186,6 +186,7 @@ class WorkerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     num_preemptions: int = 0
     num_steps: int = 0
+    step_seconds_total: float = 0.0  # engine steps' wall time, summed
     # how long the step in progress has run when the heartbeat left: heartbeats prove the process is alive, this
     # lets a client notice an engine stuck inside one step
     step_in_progress_s: float = 0.0
@@ -200,6 +201,7 @@ class WorkerOutput(RequestOutput):
     """What one engine step produced for one request, as the client sees it: the engine's RequestOutput (without
     text: the worker sends token ids) and the epoch of the dispatch it answers."""
     epoch: int = 0
+    received_at: float = 0.0  # time.perf_counter() when its frame arrived (the client sets it; not on the wire)
 
     @classmethod
     def from_wire(cls, entry: dict[str, Any]) -> "WorkerOutput":

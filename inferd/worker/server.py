@@ -13,6 +13,7 @@ kernel sends SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -242,6 +243,23 @@ def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_
                        heartbeat_interval=heartbeat_interval)
 
 
+@contextlib.contextmanager
+def loading_progress(name: str):
+    """A progress bar on stderr while the weights load; yields the progress(done, total) callback."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn(f"loading {name}"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("load", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield progress
+
+
 def run_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, worker_id: str | None = None,
                parent_pid: int | None = None) -> int:
@@ -250,7 +268,8 @@ def run_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    engine = Engine.from_config(dataclasses.replace(config, detokenize=False))  # the worker sends token ids
+    with loading_progress(model_name(config)) as progress:
+        engine = Engine.from_config(dataclasses.replace(config, detokenize=False), progress)  # sends token ids
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
     server = WorkerServer(engine, build_hello(engine, config, worker_id, heartbeat_interval), host, port,
                           heartbeat_interval)

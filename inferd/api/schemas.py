@@ -1,0 +1,287 @@
+"""The OpenAI-compatible request and response schemas (pydantic), which are also the OpenAPI document.
+
+Requests forbid unknown fields (OpenAI answers them with 400 too). OpenAI parameters that inferd does not implement
+yet are declared, so that the schema is honest about them, and refused by `unsupported_parameters()` whenever they
+are set to anything but their neutral value: never silently ignored. vLLM's extensions (`top_k`, `ignore_eos`,
+`min_tokens`, `repetition_penalty`, `stop_token_ids`, `return_tokens_as_token_ids`) are accepted.
+
+Responses are built as plain dicts on the hot path (see serving.py); the models below describe them for the
+OpenAPI document, and the schema tests check that every response conforms.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from ..config import MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+
+# strict types: OpenAI does not coerce "1" to 1 or 1.0 to 1, and neither do we
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+
+
+class _SamplingFields(_Strict):
+    """What /v1/completions and /v1/chat/completions share."""
+    model: StrictStr | None = Field(None, description="the served model's id (GET /v1/models); omitted: the default")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="omitted: the rest of the context window")
+    temperature: Float | None = Field(None, ge=0, le=2, description="default 1; 0 = greedy")
+    top_p: Float | None = Field(None, gt=0, le=1)
+    n: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    user: StrictStr | None = None
+    logit_bias: dict[str, Float] | None = Field(None, description="not supported yet: only null or {}")
+    # vLLM extensions
+    top_k: StrictInt | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 = off")
+    ignore_eos: StrictBool | None = Field(False, description="vLLM extension")
+    min_tokens: StrictInt | None = Field(0, ge=0, description="vLLM extension")
+    repetition_penalty: Float | None = Field(None, gt=0, le=10, description="vLLM extension")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="vLLM extension")
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        False, description="vLLM extension: logprobs name tokens 'token_id:N'")
+
+    def _unsupported_common(self) -> list[str]:
+        return ["logit_bias"] if self.logit_bias else []
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)])
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool | None = Field(None, description="not supported yet: only false")
+    best_of: StrictInt | None = Field(None, ge=1, description="not supported yet: only equal to n")
+    suffix: StrictStr | None = Field(None, description="not supported yet: only null or ''")
+
+    def unsupported_parameters(self) -> list[str]:
+        names = self._unsupported_common()
+        if self.echo:
+            names.append("echo")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            names.append("best_of")
+        if self.suffix:
+            names.append("suffix")
+        return names
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="preferred over max_tokens")
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    add_generation_prompt: StrictBool | None = Field(True, description="vLLM extension")
+    # OpenAI parameters not supported yet: only their neutral values are accepted
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} for now")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported yet: only null or []")
+    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="not supported yet: 'none' or null")
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported: only null or []")
+    function_call: StrictStr | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")
+    audio: dict[str, Any] | None = Field(None, description="not supported: only null")
+    modalities: list[StrictStr] | None = Field(None, description="only ['text']")
+    prediction: dict[str, Any] | None = Field(None, description="not supported: only null")
+    store: StrictBool | None = Field(None, description="not supported: only false")
+    metadata: dict[str, StrictStr] | None = Field(None, description="not supported: only null or {}")
+    service_tier: StrictStr | None = Field(None, description="only 'auto' or 'default'")
+    reasoning_effort: StrictStr | None = Field(None, description="not supported: only null")
+    verbosity: StrictStr | None = Field(None, description="not supported: only null")
+    web_search_options: dict[str, Any] | None = Field(None, description="not supported: only null")
+    moderation: dict[str, Any] | None = Field(None, description="not supported: only null")
+    prompt_cache_key: StrictStr | None = Field(None, description="accepted: inferd caches prefixes by content")
+    prompt_cache_retention: StrictStr | None = Field(None, description="not supported: only null")
+    prompt_cache_options: dict[str, Any] | None = Field(None, description="not supported: only null")
+    safety_identifier: StrictStr | None = None
+
+    def unsupported_parameters(self) -> list[str]:
+        names = self._unsupported_common()
+        checks = {
+            "response_format": self.response_format is not None and self.response_format.type != "text",
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+            "audio": self.audio is not None,
+            "modalities": self.modalities not in (None, ["text"]),
+            "prediction": self.prediction is not None,
+            "store": bool(self.store),
+            "metadata": bool(self.metadata),
+            "service_tier": self.service_tier not in (None, "auto", "default"),
+            "reasoning_effort": self.reasoning_effort is not None,
+            "verbosity": self.verbosity is not None,
+            "web_search_options": self.web_search_options is not None,
+            "moderation": self.moderation is not None,
+            "prompt_cache_retention": self.prompt_cache_retention is not None,
+            "prompt_cache_options": self.prompt_cache_options is not None,
+        }
+        return names + [name for name, unsupported in checks.items() if unsupported]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: either a raw prompt or chat messages (through the chat template)."""
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool | None = Field(True, description="for a raw prompt: add BOS if the model has one")
+    add_generation_prompt: StrictBool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses (documentation and schema tests) ----------------------------------------------------------------
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: str
+    reason: str | None = None

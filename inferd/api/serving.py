@@ -1,0 +1,416 @@
+"""OpenAI semantics, without HTTP: a validated request becomes engine requests (one per prompt and choice), their
+per-step outputs become OpenAI response dicts or SSE chunks.
+
+The API process owns text: workers send token ids; here each choice is detokenized incrementally and checked for
+stop strings with the same logic as the engine (`TextWithStops`), so that a stop string never reaches the client,
+also when it spans two tokens. The worker stops on the same token by itself; should the two ever disagree, the
+choice ends here and the worker is told to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..config import MAX_CHOICES_PER_REQUEST
+from ..engine.request import SamplingParams
+from ..gateway.router import NoWorkerAvailable, Router
+from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
+from ..telemetry.metrics import Metrics
+from ..worker.client import RequestFailed, RequestRejected, WorkerDead
+from ..worker.protocol import WorkerOutput
+from .errors import INVALID_REQUEST, APIError, invalid
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + _DUMPS(payload).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def not_ready(reason: str, retry_after: int = 1) -> APIError:
+    return APIError(503, reason, code="not_ready", headers={"Retry-After": str(retry_after)})
+
+
+def worker_error(exc: Exception) -> APIError:
+    """A failure of the worker side as the client sees it."""
+    if isinstance(exc, RequestRejected):
+        return invalid(str(exc), code="invalid_value")
+    if isinstance(exc, NoWorkerAvailable):
+        return not_ready(str(exc), exc.retry_after)
+    if isinstance(exc, WorkerDead):
+        return APIError(503, f"the worker serving this request was lost: {exc}", code="worker_lost",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailed):
+        return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+# ---- a prepared request ------------------------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """A validated request as engine work: choice i runs prompts[prompt_of[i]] with params[i]."""
+    chat: bool
+    id: str
+    model: str
+    prompts: list[list[int]]
+    prompt_of: list[int]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    tokens_as_ids: bool
+    received_at: float  # time.perf_counter() at receipt
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text: TextWithStops
+    pieces: list[str] = field(default_factory=list)  # emitted text, for non-streaming responses
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_at: float | None = None
+    logprobs: list = field(default_factory=list)  # per token: (token id, logprob, [(id, logprob)...])
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OpenAIServing:
+    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self._token_text: dict[int, str] = {}
+
+    # ---- preparation ----------------------------------------------------------------------------------------
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"The model `{requested}` does not exist (this server serves `{self.model_name}`)",
+                           INVALID_REQUEST, param="model", code="model_not_found")
+
+    def prepare_completion(self, req: CompletionRequest, received_at: float) -> Prepared:
+        self._check_common(req)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [self.tokenizer.encode(p) for p in prompt]
+        else:
+            prompts = [list(p) for p in prompt]
+        self._check_vocab(prompts)
+        return self._prepare(False, "cmpl-", req, prompts, req.max_tokens, req.logprobs, received_at)
+
+    def prepare_chat(self, req: ChatCompletionRequest, received_at: float) -> Prepared:
+        self._check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        rendered = []
+        for m in messages:
+            # the template knows system, user and assistant; OpenAI's developer role is the system role renamed
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            rendered.append(message)
+        try:
+            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a template that raises on this conversation (e.g. role order): the client's input
+            raise invalid(f"the chat template cannot render these messages: {e}", param="messages") from None
+
+    def _check_common(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self.check_model(req.model)
+        unsupported = req.unsupported_parameters()
+        if unsupported:
+            names = ", ".join(unsupported)
+            raise invalid(f"unsupported parameter{'s' if len(unsupported) > 1 else ''}: {names} "
+                          "(only the neutral value is accepted for now)", param=unsupported[0],
+                          code="unsupported_parameter")
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+
+    def _check_vocab(self, prompts: list[list[int]]) -> None:
+        vocab = self.router.hello.vocab_size if self.router.hello else self.tokenizer.vocab_size
+        for p in prompts:
+            if not p:
+                raise invalid("the prompt is empty", param="prompt")
+            bad = next((t for t in p if t >= vocab), None)
+            if bad is not None:
+                raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+
+    def _prepare(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
+                 logprobs: int | None, received_at: float) -> Prepared:
+        hello = self.router.hello
+        if hello is None:
+            raise not_ready(f"no worker is available: {self.router.not_ready_reason}")
+        context = hello.max_model_len
+        what = "messages" if chat else "prompt"
+        n = req.n or 1
+        if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+            raise invalid(f"{len(prompts)} prompts x n={n} is over the limit of {MAX_CHOICES_PER_REQUEST} "
+                          "choices per request", param="n")
+        param_list, prompt_of = [], []
+        seed = req.seed if req.seed is not None else random.getrandbits(63)  # every request is replayable
+        for p_index, prompt in enumerate(prompts):
+            if len(prompt) >= context:
+                raise invalid(f"This model's maximum context length is {context} tokens; the {what} has "
+                              f"{len(prompt)} tokens, which leaves no room for a completion.", param=what,
+                              code="context_length_exceeded")
+            budget = max_tokens if max_tokens is not None else context - len(prompt)
+            if len(prompt) + budget > context:
+                raise invalid(f"This model's maximum context length is {context} tokens. However, you requested "
+                              f"{len(prompt) + budget} tokens ({len(prompt)} in the {what}, {budget} in the "
+                              "completion). Please reduce the length of the prompt or completion.",
+                              param="max_tokens", code="context_length_exceeded")
+            min_tokens = req.min_tokens or 0
+            if min_tokens > budget:
+                raise invalid(f"min_tokens ({min_tokens}) is over max_tokens ({budget})", param="min_tokens")
+            for i in range(n):
+                param_list.append(self._sampling_params(req, budget, logprobs, seed + len(param_list)))
+                prompt_of.append(p_index)
+        return Prepared(chat, prefix + uuid.uuid4().hex, self.model_name, prompts, prompt_of, param_list,
+                        bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                        logprobs is not None, bool(req.return_tokens_as_token_ids), received_at)
+
+    @staticmethod
+    def _sampling_params(req, max_tokens: int, logprobs: int | None, seed: int) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed, stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens or 0)
+
+    # ---- running --------------------------------------------------------------------------------------------
+    def start(self, prep: Prepared) -> "Run":
+        return Run(self, prep)
+
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class Run:
+    """The choices of one request running in the workers, merged into one stream of (choice, new text, new
+    logprob entries) events in arrival order. Closing it (aclose) aborts whatever still runs."""
+
+    def __init__(self, serving: OpenAIServing, prep: Prepared):
+        self.serving = serving
+        self.prep = prep
+        tok = serving.tokenizer
+        self.choices = [ChoiceState(i, TextWithStops(IncrementalDetokenizer(tok, prep.prompts[prep.prompt_of[i]]),
+                                                     prep.params[i].stop))
+                        for i in range(len(prep.params))]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._dispatched = False
+
+    def dispatch(self) -> None:
+        """Sends every choice to a worker; NoWorkerAvailable if there is none."""
+        prep, router = self.prep, self.serving.router
+        streams = [router.generate(f"{prep.id}-{i}", prep.prompts[prep.prompt_of[i]], prep.params[i])
+                   for i in range(len(self.choices))]
+        router.pick()  # fail before anything is sent when no worker is attached
+        self.serving.metrics.dispatch_overhead.observe(time.perf_counter() - prep.received_at)
+        self.serving.metrics.prompt_tokens.inc(sum(len(prep.prompts[p]) for p in prep.prompt_of))
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._dispatched = True
+
+    async def _pump(self, index: int, stream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((index, out))
+                if self.choices[index].finished:  # ended here (a stop string): leaving the loop aborts it
+                    break
+        except Exception as e:
+            self._queue.put_nowait((index, e))
+        finally:
+            await stream.aclose()
+
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput]]:
+        """Yields (choice, text delta, logprob entries, the output) per step and choice, until every choice is
+        finished. Raises the first worker error."""
+        remaining = len(self.choices)
+        while remaining:
+            index, item = await self._queue.get()
+            choice = self.choices[index]
+            if isinstance(item, Exception):
+                raise item
+            if choice.finished and not item.finished:
+                continue  # ended here before the worker noticed
+            delta, entries = self._apply(choice, item)
+            if choice.finished:
+                remaining -= 1
+            yield choice, delta, entries, item
+
+    def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list]:
+        now = time.perf_counter()
+        if choice.first_token_at is None and out.new_token_ids:
+            choice.first_token_at = now
+            self.serving.metrics.ttft.observe(now - self.prep.received_at)
+        choice.num_prompt_tokens = out.num_prompt_tokens
+        choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
+        delta, matched = choice.text.add(out.new_token_ids, final=out.finished)
+        if out.finished:
+            if out.finish_reason not in ("stop", "length"):
+                raise WorkerDead(f"the worker ended the request ({out.finish_reason})")
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        if matched is not None and not out.finished:
+            choice.finish_reason, choice.stop_reason = "stop", matched
+        if matched is not None:
+            choice.stop_reason = matched
+        if choice.finished:
+            self._observe_finish(choice, now)
+        entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if self.prep.logprobs else []
+        choice.logprobs.extend(entries)
+        if delta and not self.prep.stream:
+            choice.pieces.append(delta)
+        return delta, entries
+
+    def _observe_finish(self, choice: ChoiceState, now: float) -> None:
+        m = self.serving.metrics
+        m.finished.labels(choice.finish_reason).inc()
+        m.generation_tokens.inc(choice.num_output_tokens)
+        m.e2e.observe(now - self.prep.received_at)
+        if choice.num_output_tokens > 1 and choice.first_token_at is not None:
+            m.tpot.observe((now - choice.first_token_at) / (choice.num_output_tokens - 1))
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def usage(self) -> dict:
+        seen, prompt_tokens, cached = set(), 0, 0
+        for choice in self.choices:
+            p = self.prep.prompt_of[choice.index]
+            if p not in seen:
+                seen.add(p)
+                prompt_tokens += choice.num_prompt_tokens or len(self.prep.prompts[p])
+                cached += choice.num_cached_tokens
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---- OpenAI response shapes --------------------------------------------------------------------------------------
+async def complete(run: Run) -> dict:
+    """Runs every choice to the end; the whole (non-streaming) response."""
+    async for _ in run.events():
+        pass
+    prep = run.prep
+    choices = []
+    for c in run.choices:
+        text = "".join(c.pieces)
+        logprobs = _logprobs(run, c, c.logprobs, 0) if prep.logprobs else None
+        if prep.chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        else:
+            choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+    return {"id": prep.id, "object": "chat.completion" if prep.chat else "text_completion", "created": prep.created,
+            "model": prep.model, "choices": choices, "usage": run.usage(), "system_fingerprint": None}
+
+
+async def first_event(run: Run):
+    """Waits for the first event of a stream, so that a refusal can still be an HTTP error. Returns (events
+    iterator, first event)."""
+    events = run.events()
+    return events, await anext(events)
+
+
+async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
+    """The SSE body: role chunks (chat), one chunk per step and choice with text or logprobs, a finish chunk per
+    choice, the usage chunk when asked for, then [DONE]. A failure after the start is an error event."""
+    prep, write_overhead = run.prep, run.serving.metrics.write_overhead
+    head = {"id": prep.id, "object": "chat.completion.chunk" if prep.chat else "text_completion",
+            "created": prep.created, "model": prep.model}
+    if prep.include_usage:
+        head["usage"] = None
+    offsets = [0] * len(run.choices)  # text_offset of completion logprobs
+    try:
+        if prep.chat:
+            for c in run.choices:
+                yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        event = first
+        while event is not None:
+            choice, delta, entries, out = event
+            if delta or entries:
+                logprobs = _logprobs(run, choice, entries, offsets[choice.index]) if prep.logprobs else None
+                if logprobs and not prep.chat:
+                    offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
+                yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, delta, logprobs, None)]})
+                write_overhead.observe(time.perf_counter() - out.received_at)
+            if choice.finished:
+                yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, "", None, choice)]})
+            event = await anext(events, None)
+        if prep.include_usage:
+            yield sse({**head, "choices": [], "usage": run.usage()})
+    except Exception as e:  # the stream has started: the error goes in band
+        yield sse(worker_error(e).body())
+    finally:
+        await run.aclose()
+    yield SSE_DONE
+
+
+def _chunk_choice(chat: bool, index: int, text: str, logprobs, finished: ChoiceState | None) -> dict:
+    reason = finished.finish_reason if finished else None
+    if chat:
+        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                  "finish_reason": reason}
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    if finished is not None:
+        choice["stop_reason"] = finished.stop_reason
+    return choice
+
+
+def _logprobs(run: Run, choice: ChoiceState, entries: list, offset: int) -> dict:
+    as_ids = run.prep.tokens_as_ids
+    text = run.serving.token_text
+    if run.prep.chat:
+        def item(token_id, logprob):
+            s = text(token_id, as_ids)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
+    tokens, offsets = [], []
+    for t, _, _ in entries:
+        tokens.append(text(t, as_ids))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(i, as_ids): v for i, v in top} for _, _, top in entries], "text_offset": offsets}
+

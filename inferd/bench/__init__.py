@@ -1,0 +1,1 @@
+"""`inferd bench`: load generation against an OpenAI-compatible server (see loadgen.py)."""

@@ -1,0 +1,1 @@
+"""Worker processes on this machine: start, watch, restart (supervisor.py)."""

@@ -1,0 +1,84 @@
+"""Prometheus metrics of the API process: requests, latencies, tokens, the server's own overhead, and the worker's
+engine state (read from its latest heartbeat at scrape time). One registry per app, so that several apps in one
+process (tests) never share counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# latency buckets, seconds: dense where interactive serving lives (10 ms - 2 s), sparse out to minutes
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                         1.0, 2.5, 5.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Metrics:
+    def __init__(self, model: str, engine_stats: Callable[[], object | None] = lambda: None):
+        """engine_stats: returns the latest WorkerStats (or None before the first heartbeat)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("inferd_requests", "HTTP requests by route and status code", ["route", "status"],
+                                registry=r)
+        self.finished = Counter("inferd_request_finished", "Finished generations by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("inferd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("inferd_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("inferd_time_to_first_token_seconds", "Receipt of the request to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("inferd_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request, after the first",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("inferd_e2e_request_latency_seconds", "Receipt of the request to its last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("inferd_engine_step_seconds", "Duration of one engine step (worker side)",
+                                   buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.dispatch_overhead = Histogram(
+            "inferd_server_dispatch_seconds", "Server's own time from receipt of a request to its dispatch to the "
+            "worker (parsing, validation, tokenization)", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.write_overhead = Histogram(
+            "inferd_server_token_write_seconds", "Server's own time from a token's arrival from the worker to its "
+            "SSE write", buckets=OVERHEAD_BUCKETS, registry=r)
+        r.register(_EngineCollector(model, engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The worker's state as of its latest heartbeat: gauges and the engine's own counters."""
+
+    def __init__(self, model: str, engine_stats: Callable[[], object | None]):
+        self.model = model
+        self.engine_stats = engine_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.engine_stats()
+        if stats is None:
+            return
+        gauges = {"inferd_num_requests_running": ("Requests in the engine's running batch", stats.running),
+                  "inferd_num_requests_waiting": ("Requests waiting in the engine", stats.waiting),
+                  "inferd_kv_blocks_in_use": ("KV cache blocks referenced by requests", stats.kv_blocks_in_use),
+                  "inferd_kv_blocks_total": ("KV cache blocks in the pool", stats.kv_num_blocks)}
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        counters = {"inferd_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
+                                                       stats.prefix_cache_hits),
+                    "inferd_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache",
+                                                         stats.prefix_cache_queries),
+                    "inferd_preemptions": ("Requests preempted (recomputed later)", stats.num_preemptions),
+                    "inferd_engine_steps": ("Engine steps run", stats.num_steps),
+                    "inferd_engine_busy_seconds": ("Engine steps' wall time, summed", stats.step_seconds_total)}
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family

@@ -1,0 +1,111 @@
+"""`inferd serve` processes for the tests: each in its own process group (killed whole at teardown, worker
+included), ready once it printed `READY http://HOST:PORT`."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine; normally ~5-10 s
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    model: str
+    api_key: str | None
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        """The server's child processes (its worker)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                return [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{labels}': value}."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_metrics(self, predicate, timeout: float = 30.0) -> dict[str, float]:
+        """Polls /metrics until predicate(metrics) holds; AssertionError with the last metrics after timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if predicate(m):
+                return m
+            assert time.monotonic() < deadline, f"metrics never matched within {timeout} s: {m}"
+            time.sleep(0.05)
+
+
+def read_line(proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
+    """The first stdout line of proc, without ever blocking past timeout."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while b"\n" not in data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no line from pid {proc.pid} in {timeout} s; log:\n{log_path.read_text()}")
+            if sel.select(remaining):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(f"pid {proc.pid} exited ({proc.wait()}) before its first line; log:\n"
+                                       f"{log_path.read_text()}")
+                data += chunk
+    return data.split(b"\n", 1)[0].decode()
+
+
+def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key: str | None = None,
+                 model_name: str = "test-model") -> Server:
+    args = ["--port", "0", "--dtype", "float32", "--served-model-name", model_name, *extra]
+    if model is not None:
+        args += ["--model", str(model)]
+    if api_key:
+        args += ["--api-key", api_key]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
+                                stderr=log, bufsize=0, env=ENV, start_new_session=True)
+    try:
+        line = read_line(proc, READY_TIMEOUT_S, log_path)
+    except BaseException:
+        kill_group(proc)
+        raise
+    assert line.startswith("READY http://"), line
+    return Server(proc, line.removeprefix("READY "), model_name, api_key, log_path, args)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    if proc.stdout is not None:
+        proc.stdout.close()
