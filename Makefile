@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# Until the HTTP server lands, `make serve` runs the terminal chat on the default model.
+# The OpenAI-compatible server on the default model, http://127.0.0.1:8000 (override: make serve SERVE_ARGS="--port 0")
+SERVE_ARGS ?=
 serve: setup
+	$(BIN)/inferd serve $(SERVE_ARGS)
+
+chat: setup
 	$(BIN)/inferd chat
 
 test: setup

@@ -1,5 +1,5 @@
-"""`inferd serve` processes for the tests: each in its own process group (killed whole at teardown, worker
-included), ready once it printed `READY http://HOST:PORT`."""
+"""Processes for the tests: `inferd serve` servers (and the helpers the worker tests share), each in its own
+process group (killed whole at teardown, worker included), ready once it printed its READY line."""
 
 from __future__ import annotations
 
@@ -99,6 +99,19 @@ def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key:
         raise
     assert line.startswith("READY http://"), line
     return Server(proc, line.removeprefix("READY "), model_name, api_key, log_path, args)
+
+
+def process_gone(pid: int) -> bool:
+    """True once pid no longer runs: gone, or a zombie its (new) parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def kill_group(proc: subprocess.Popen) -> None:

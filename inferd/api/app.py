@@ -54,9 +54,16 @@ def _errors(*codes: int) -> dict:
     return {code: {"model": ErrorResponse} for code in codes}
 
 
+# One server-sent event, documented the way FastAPI documents its own event streams (OpenAPI 3.2's `itemSchema`: the
+# schema of each event, not of the whole body): `data` is a JSON chunk, an in-band {"error": ...} or "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer", "minimum": 0}}}
+
+
 def _generation_responses(model) -> dict:
     return {200: {"model": model, "description": "The response, or with stream=true a text/event-stream of chunks",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"itemSchema": _SSE_EVENT}}},
             **_errors(400, 401, 404, 413, 503)}
 
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..config import MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
-# strict types: OpenAI does not coerce "1" to 1 or 1.0 to 1, and neither do we
-Float = Annotated[float, Field(allow_inf_nan=False)]
+# OpenAI's types: an integer field refuses 3.0 ("expected an integer, but got a decimal number") and "3"; a number
+# field takes 3 and 3.5, never "3", true, NaN or infinity
+Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None

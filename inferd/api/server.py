@@ -66,7 +66,7 @@ def run_server(opts: ServeOptions) -> int:
 async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     import uvicorn
 
-    from ..cluster.supervisor import LocalWorker, WorkerStartError
+    from ..cluster.supervisor import LocalWorker
     from ..gateway.router import Router
     from ..telemetry.metrics import Metrics
     from .app import ServerState, build_app

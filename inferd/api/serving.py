@@ -265,8 +265,8 @@ class Run:
             choice = self.choices[index]
             if isinstance(item, Exception):
                 raise item
-            if choice.finished and not item.finished:
-                continue  # ended here before the worker noticed
+            if choice.finished:
+                continue  # ended here (a stop string) before the worker noticed: its pump aborts it
             delta, entries = self._apply(choice, item)
             if choice.finished:
                 remaining -= 1

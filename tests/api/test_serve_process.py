@@ -13,16 +13,7 @@ import time
 
 import httpx
 import pytest
-from servers import ENV, kill_group, start_server
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+from servers import ENV, kill_group, process_gone, start_server
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -48,14 +39,14 @@ def test_ready_line_progress_and_sigterm(server):
     [worker] = server.worker_pids()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=30) == 0
-    _wait(lambda: _gone(worker), 10, "the worker to exit")
+    _wait(lambda: process_gone(worker), 10, "the worker to exit")
 
 
 def test_worker_dies_with_the_server(server):
     [worker] = server.worker_pids()
     server.proc.kill()
     server.proc.wait(timeout=10)
-    _wait(lambda: _gone(worker), 10, "the orphaned worker to exit")
+    _wait(lambda: process_gone(worker), 10, "the orphaned worker to exit")
 
 
 def test_killed_worker_ends_streams_with_an_error_and_is_restarted(server):

@@ -3,9 +3,6 @@ whole at teardown), ready once it printed its READY line."""
 
 from __future__ import annotations
 
-import os
-import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -13,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from servers import ENV, kill_group, process_gone, read_line
 
 READY_TIMEOUT_S = 120.0  # model load on a busy 2-core machine; normally ~5 s
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 # an intermediate parent: starts the worker command in argv, prints "WORKER_PID READY tcp://HOST:PORT", waits
@@ -53,23 +50,6 @@ def worker_command(model_dir: Path, *extra: str) -> list[str]:
             "--kv-cache-bytes", "64M", *extra]
 
 
-def read_line(proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
-    """The first stdout line of proc (opened unbuffered, binary), without ever blocking past timeout."""
-    deadline = time.monotonic() + timeout
-    data = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while b"\n" not in data:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no line from pid {proc.pid} in {timeout} s; log:\n{log_path.read_text()}")
-            if sel.select(remaining):
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError(f"pid {proc.pid} exited ({proc.wait()}) before its first line; log:\n"
-                                       f"{log_path.read_text()}")
-                data += chunk
-    return data.split(b"\n", 1)[0].decode()
 
 
 def parse_ready(line: str) -> tuple[str, int]:
@@ -84,26 +64,8 @@ def start_process(command: list[str], log_path: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the leader's pid
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    proc.stdout.close()
 
 
-def process_gone(pid: int) -> bool:
-    """True once pid no longer runs: gone, or a zombie its (new) parent has not reaped yet."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.fixture
