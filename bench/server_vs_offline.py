@@ -8,9 +8,12 @@ and the script prints output tokens/s of both and the ratio. Then one TTFT run (
 ~75-token prompts, 128 output tokens) and the server's own time per request, from its /metrics histograms
 (receipt to dispatch; token arrival to SSE write).
 
-    .venv/bin/python bench/server_vs_offline.py [--concurrency 1,8,32] [--requests-per-slot 2] [--dtype auto]
+    .venv/bin/python bench/server_vs_offline.py [--concurrency 1,8,32] [--requests-per-slot 2] [--repeats 2]
 
-The offline runs finish before the server starts, so the two never compete for the CPU.
+The two never run at the same time (the offline engine idles while the server is measured), and they alternate,
+offline then served, --repeats times per concurrency: these shared machines drift by tens of percent over minutes,
+and alternating keeps that drift out of the ratio. Each measured run uses its own seed, so no run reuses the
+prompts (and the prefix cache) of another.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -89,35 +93,34 @@ def main() -> None:
     p.add_argument("--ttft-input-len", type=int, default=75)
     p.add_argument("--ttft-requests", type=int, default=64)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=2, help="offline/served pairs per concurrency (median reported)")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    def workload(c: int, **kw) -> BenchConfig:
+    def workload(c: int, seed: int, **kw) -> BenchConfig:
         base = dict(num_prompts=max(4, args.requests_per_slot * c), input_len=args.input_len,
-                    output_len=args.output_len, concurrency=c, seed=c)
+                    output_len=args.output_len, concurrency=c, seed=seed)
         return BenchConfig(**{**base, **kw})
 
     from inferd.engine import Engine
 
-    engine = Engine.from_config(EngineConfig(dtype=args.dtype))
-    offline(engine, workload(1, num_prompts=1, output_len=4))  # warm-up
-    offline_tps = {}
-    for c in levels:
-        offline_tps[c] = offline(engine, workload(c))
-        print(f"offline  concurrency {c:3d}: {offline_tps[c]:7.1f} output tok/s", flush=True)
-    del engine
-    gc.collect()
-
+    engine = Engine.from_config(EngineConfig(dtype=args.dtype, enable_prefix_caching=True))
+    offline(engine, workload(1, 10_000, num_prompts=1, output_len=4))  # warm-up
     proc, url = start_server(args)
+    offline_tps: dict[int, list[float]] = {c: [] for c in levels}
+    served: dict[int, list[dict]] = {c: [] for c in levels}
     try:
-        served = {}
         for c in levels:
-            report = asyncio.run(run_benchmark(workload(c, url=url)))
-            assert report["failed"] == 0, report["errors"]
-            served[c] = report
-            print(f"served   concurrency {c:3d}: {report['output_throughput']:7.1f} output tok/s  "
-                  f"(TTFT p50 {report['median_ttft_ms']:.0f} ms, TPOT p50 {report['median_tpot_ms']:.1f} ms)",
-                  flush=True)
+            for k in range(args.repeats):
+                offline_tps[c].append(offline(engine, workload(c, seed=100 * c + 2 * k)))
+                report = asyncio.run(run_benchmark(workload(c, seed=100 * c + 2 * k + 1, url=url)))
+                assert report["failed"] == 0, report["errors"]
+                served[c].append(report)
+                print(f"concurrency {c:3d} pair {k + 1}: offline {offline_tps[c][-1]:7.1f}, served "
+                      f"{report['output_throughput']:7.1f} output tok/s (served TTFT p50 "
+                      f"{report['median_ttft_ms']:.0f} ms, TPOT p50 {report['median_tpot_ms']:.1f} ms)", flush=True)
+        del engine
+        gc.collect()
         ttft = asyncio.run(run_benchmark(BenchConfig(
             url=url, num_prompts=args.ttft_requests, input_len=args.ttft_input_len, output_len=args.output_len,
             concurrency=args.ttft_concurrency, seed=99)))
@@ -126,12 +129,13 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
 
-    print("\n| concurrency | offline engine tok/s | server tok/s | server / offline | server TTFT p50 ms |")
-    print("|---:|---:|---:|---:|---:|")
+    print("\n| concurrency | offline engine tok/s (median) | server tok/s (median) | server / offline, per pair |")
+    print("|---:|---:|---:|---:|")
     for c in levels:
-        r = served[c]
-        print(f"| {c} | {offline_tps[c]:.1f} | {r['output_throughput']:.1f} | "
-              f"{r['output_throughput'] / offline_tps[c]:.2f} | {r['median_ttft_ms']:.0f} |")
+        served_tps = [r["output_throughput"] for r in served[c]]
+        pairs = ", ".join(f"{s / o:.2f}" for s, o in zip(served_tps, offline_tps[c]))
+        print(f"| {c} | {statistics.median(offline_tps[c]):.1f} | {statistics.median(served_tps):.1f} | "
+              f"{pairs} |")
     print(f"\nTTFT at concurrency {args.ttft_concurrency}, {args.ttft_requests} requests of {args.ttft_input_len} "
           f"prompt tokens and {args.output_len} output tokens: p50 {ttft['median_ttft_ms']:.0f} ms, "
           f"p90 {ttft['p90_ttft_ms']:.0f} ms, p99 {ttft['p99_ttft_ms']:.0f} ms; TPOT p50 "

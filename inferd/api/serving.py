@@ -232,7 +232,7 @@ class Run:
                         for i in range(len(prep.params))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        self._dispatched = False
+        self._single = None  # the stream of a one-choice request, read in place (no task, no second queue)
 
     def dispatch(self) -> None:
         """Sends every choice to a worker; NoWorkerAvailable if there is none."""
@@ -242,8 +242,10 @@ class Run:
         router.pick()  # fail before anything is sent when no worker is attached
         self.serving.metrics.dispatch_overhead.observe(time.perf_counter() - prep.received_at)
         self.serving.metrics.prompt_tokens.inc(sum(len(prep.prompts[p]) for p in prep.prompt_of))
-        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
-        self._dispatched = True
+        if len(streams) == 1:  # the common case, on the per-token hot path: no task switch per token
+            self._single = streams[0]
+        else:
+            self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, stream) -> None:
         try:
@@ -259,6 +261,14 @@ class Run:
     async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput]]:
         """Yields (choice, text delta, logprob entries, the output) per step and choice, until every choice is
         finished. Raises the first worker error."""
+        if self._single is not None:
+            choice = self.choices[0]
+            async for out in self._single:
+                delta, entries = self._apply(choice, out)
+                yield choice, delta, entries, out
+                if choice.finished:  # also when it ended here (a stop string): aclose() aborts it in the worker
+                    return
+            return
         remaining = len(self.choices)
         while remaining:
             index, item = await self._queue.get()
@@ -306,6 +316,8 @@ class Run:
             m.tpot.observe((now - choice.first_token_at) / (choice.num_output_tokens - 1))
 
     async def aclose(self) -> None:
+        if self._single is not None:
+            await self._single.aclose()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
