@@ -313,6 +313,7 @@ class RawConnection:
 
     def __init__(self, host: str, port: int):
         self.sock = socket.create_connection((host, port), timeout=10)
+        self.skipped: list[dict] = []  # messages receive_until passed over (outputs that arrived in between)
         assert self.receive()["type"] == HELLO
 
     def send(self, message) -> None:
@@ -326,11 +327,18 @@ class RawConnection:
         return None if body is None else json.loads(body)
 
     def receive_until(self, kind: str) -> dict:
+        """The next message of this kind; a message of another kind is kept in `skipped`, or handed out first
+        when it is of the kind asked for."""
+        for i, message in enumerate(self.skipped):
+            if message["type"] == kind:
+                return self.skipped.pop(i)
         while True:
             message = self.receive()
             assert message is not None, f"connection closed while waiting for {kind!r}"
             if message["type"] == kind:
                 return message
+            if message["type"] != HEARTBEAT:
+                self.skipped.append(message)
 
     def errors_until_closed(self) -> list[str]:
         """The errors received until the worker closed the connection (heartbeats aside)."""
