@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..gateway.router import NoWorkerAvailable, Router
+from ..gateway.router import Router
 from ..telemetry.metrics import Metrics
 from .errors import INVALID_REQUEST, APIError, install_error_handlers, invalid
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -154,10 +154,13 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
         body = await _until_disconnect(request, complete(run))
         await run.aclose()
         return JSONResponse(body)
-    except (APIError, _ClientGone):
+    except _ClientGone:  # nobody is left to read a response: do not log it as a server error
+        await run.aclose()
+        return Response(status_code=499)
+    except APIError:
         await run.aclose()
         raise
-    except (Exception, NoWorkerAvailable) as e:
+    except Exception as e:  # NoWorkerAvailable, WorkerDead, RequestRejected, ...
         await run.aclose()
         raise worker_error(e) from None
 

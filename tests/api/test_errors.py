@@ -71,6 +71,9 @@ INVALID_400 = [
     ("/v1/completions", completion(logit_bias={"50": 10}), "logit_bias", "unsupported_parameter"),
     ("/v1/completions", completion(stream_options={"include_usage": True}), "stream_options", "any"),
     ("/v1/completions", completion(min_tokens=9), "min_tokens", "any"),
+    ("/v1/completions", completion(prompt=["a"] * 65), "any", "any"),  # MAX_PROMPTS_PER_REQUEST
+    ("/v1/completions", completion(prompt=["a"] * 9, n=16), "n", "any"),  # MAX_CHOICES_PER_REQUEST
+    ("/v1/completions", completion(stop="x" * 1025), "stop", "any"),  # MAX_STOP_STRING_CHARS
     ("/v1/completions", completion(prompt=[10 ** 6]), "prompt", "any"),
     ("/v1/chat/completions", chat(messages=[]), "messages", "invalid_value"),
     ("/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role",
