@@ -6,11 +6,17 @@ sequence slots and KV blocks last. The output is, as in vLLM v1, just how many t
 step; whether a request samples follows from whether the step reaches the end of its tokens. When a running
 request cannot get a block, the least important (highest priority value), most recently admitted running request is
 preempted by recompute: its blocks are freed and it waits again at its original place in line.
+
+Priority preemption: a worker full of less important work still has room for a more important request. When the
+head of the line finds no sequence slot or no KV room, running requests strictly less important than it are
+preempted the same way (same victim order, same recompute path) until it fits, but only if that makes it fit:
+work is never thrown away for a head that would wait anyway, and never for an equal or less important one.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
@@ -59,6 +65,11 @@ class Scheduler:
     def _line_key(r: Request) -> tuple[int, int]:
         return (r.params.priority, r.arrival_seq)
 
+    @staticmethod
+    def _victim_key(r: Request) -> tuple[int, int]:
+        """Preemption order, largest first: least important, then most recently admitted (least work lost)."""
+        return (r.params.priority, r.admitted_seq)
+
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=self._line_key)
@@ -105,7 +116,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
-                victim = max(self.running, key=lambda r: (r.params.priority, r.admitted_seq))
+                victim = max(self.running, key=self._victim_key)
                 preempt(victim)
                 if victim is req:
                     break
@@ -113,13 +124,25 @@ class Scheduler:
                 scheduled[req.request_id] = ScheduledRequest(req, n)
                 budget -= n
 
-        # waiting: admit in line order while there is budget, a slot and room
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        # waiting: admit in line order while there is budget, a slot and room; a head without a slot or room takes
+        # them from running requests less important than itself. Once this step preempted anything, only a head
+        # strictly more important than every request preempted so far goes on: after a block shortage the cache
+        # is too tight for new work of the victims' rank, and an equal one would only trade places with its peer
+        # step after step (the victim itself waits behind the head that displaced it, so it is not readmitted now)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if preempted and req.params.priority >= min(v.params.priority for v in preempted):
+                break
             hits = self.kv.match_prefix(req)
             n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
-            if not self.kv.admit(req, hits, n):
-                break
+            # no slot: admit() is not even tried, it would take the blocks
+            if len(self.running) >= self.max_num_seqs or not self.kv.admit(req, hits, n):
+                victims = self._victims_for(req, hits, budget, scheduled)
+                if not victims:
+                    break
+                for victim in victims:
+                    preempt(victim)
+                continue  # the budget may have grown by the victims' tokens: size the chunk again
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             req.admitted_seq = self._admissions
@@ -136,3 +159,31 @@ class Scheduler:
                                               else 0))
         out.num_decodes = sum(1 for s in out.scheduled if s.num_tokens == 1)
         return out
+
+    def _victims_for(self, req: Request, hits: list[int], budget: int,
+                     scheduled: dict[str, ScheduledRequest]) -> list[Request]:
+        """The running requests to preempt so that waiting req gets a slot and KV room for its first chunk: the
+        fewest, in victim order, among those strictly less important than req. Empty when no such prefix of
+        them makes room: preempting would throw their work away while req waits anyway.
+
+        A dry run of KVCacheManager.admit() on the state after freeing the victims: a block comes free when the
+        victims hold all its references, except a prefix hit of req (admit() takes those separately); a victim
+        scheduled this step gives its tokens back to the budget, so req's first chunk may grow."""
+        candidates = sorted((r for r in self.running if r.params.priority > req.params.priority),
+                            key=self._victim_key, reverse=True)
+        num_cached = len(hits) * self.kv.block_size
+        hit_set = set(hits)
+        available = self.kv.num_free_blocks - sum(1 for b in hits if self.kv.ref_counts[b] == 0)
+        refs_dropped: Counter[int] = Counter()
+        for k, victim in enumerate(candidates, 1):
+            if victim.request_id in scheduled:
+                budget += scheduled[victim.request_id].num_tokens
+            for b in victim.block_ids:
+                refs_dropped[b] += 1
+                if refs_dropped[b] == self.kv.ref_counts[b] and b not in hit_set:
+                    available += 1
+            n = min(req.num_tokens - num_cached, budget)
+            need = self.kv.blocks_needed(num_cached + n) - len(hits)
+            if len(self.running) - k < self.max_num_seqs and need <= available:
+                return candidates[:k]
+        return []
