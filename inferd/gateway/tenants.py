@@ -1,0 +1,199 @@
+"""Tenants and their API keys: the keys file, and who a request's key belongs to.
+
+The keys file (JSON, written by `inferd keys`) holds tenants (tier, limits, fairness weight) and keys. A key is
+`sk-inferd-<id>-<secret>`: the id is public (it names the key in `keys list` and in logs), the secret is 32 random
+bytes. The file stores only the key's SHA-256 (a 256-bit random secret needs no slow hash), and a key is checked by
+looking its id up and comparing the digests in constant time (hmac.compare_digest), so that timing tells nothing of
+the secret. The server holds an immutable `KeyStore` snapshot and swaps it on reload (SIGHUP, or the file changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..config import DEFAULT_TIER, TIERS
+from .limits import TenantLimits
+
+KEY_PREFIX = "sk-inferd-"
+_KEY_RE = re.compile(r"^sk-inferd-([0-9a-f]{12})-([A-Za-z0-9_-]{43})$")
+ANONYMOUS = "anonymous"  # the tenant of every request when the server has no keys (loopback only)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    tier: str = DEFAULT_TIER
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    weight: float = 1.0
+
+    @property
+    def band(self) -> int:
+        return TIERS.index(self.tier)
+
+    @property
+    def limits(self) -> TenantLimits:
+        return TenantLimits(self.rpm, self.tpm, self.max_concurrency)
+
+    def validate(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
+        for name in ("rpm", "tpm", "max_concurrency"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or absent, got {value!r}")
+        if not (isinstance(self.weight, (int, float)) and self.weight > 0):
+            raise ValueError(f"weight must be > 0, got {self.weight!r}")
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("a tenant needs a name")
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    tenant: str
+    sha256: str
+    created: float
+    revoked: float | None = None
+
+
+class AuthError(Exception):
+    """Why a key is refused (a 401)."""
+
+
+@dataclass(frozen=True)
+class KeyStore:
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    keys: dict[str, KeyRecord] = field(default_factory=dict)  # by key id
+
+    # ---- checking a key (the server) -----------------------------------------------------------------------
+    def authenticate(self, key: str) -> Tenant:
+        match = _KEY_RE.match(key)
+        if match is None:
+            raise AuthError("Malformed API key: inferd keys look like sk-inferd-<12 hex>-<43 characters>")
+        record = self.keys.get(match.group(1))
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        # compared even when the id is unknown, against a dummy, so both paths take the same time
+        expected = record.sha256 if record is not None else "0" * 64
+        if not hmac.compare_digest(digest, expected) or record is None:
+            raise AuthError("Incorrect API key provided")
+        if record.revoked is not None:
+            raise AuthError(f"This API key ({record.id}) has been revoked")
+        tenant = self.tenants.get(record.tenant)
+        if tenant is None:
+            raise AuthError(f"This API key's tenant {record.tenant!r} no longer exists")
+        return tenant
+
+    # ---- the file ----------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str) -> "KeyStore":
+        """Raises ValueError with the reason when the file is not a valid keys file."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the keys file {path}: {e}") from None
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "keys file") -> "KeyStore":
+        try:
+            tenants = {name: Tenant(name=name, **fields) for name, fields in data.get("tenants", {}).items()}
+            for t in tenants.values():
+                t.validate()
+            keys = {k["id"]: KeyRecord(**k) for k in data.get("keys", [])}
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{where}: invalid content: {e}") from None
+        return cls(tenants, keys)
+
+    def to_dict(self) -> dict:
+        return {"tenants": {n: {k: v for k, v in asdict(t).items() if k != "name"} for n, t in self.tenants.items()},
+                "keys": [asdict(k) for k in self.keys.values()]}
+
+    def save(self, path: str) -> None:
+        """Atomically (write a temporary file, rename), readable by the owner only."""
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=2)
+                f.write("\n")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def new_key() -> tuple[str, str]:
+    """(key id, the whole key)."""
+    key_id = secrets.token_hex(6)
+    return key_id, f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """An exclusive lock beside the keys file, so that two `inferd keys` commands do not lose each other's writes."""
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None = None, tpm: int | None = None,
+               max_concurrency: int | None = None, weight: float | None = None) -> tuple[str, Tenant]:
+    """Adds a key for tenant (created, or updated with the settings given) and returns (the key, the tenant)."""
+    with locked(path):
+        store = KeyStore.load(path)
+        old = store.tenants.get(tenant)
+        fields = asdict(old) if old is not None else {"name": tenant}
+        for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
+                            ("weight", weight)):
+            if value is not None:
+                fields[name] = value
+        new_tenant = Tenant(**fields)
+        new_tenant.validate()
+        key_id, key = new_key()
+        record = KeyRecord(key_id, tenant, hashlib.sha256(key.encode()).hexdigest(), time.time())
+        KeyStore({**store.tenants, tenant: new_tenant}, {**store.keys, key_id: record}).save(path)
+    return key, new_tenant
+
+
+def revoke_key(path: str, key_or_id: str) -> KeyRecord:
+    """Marks a key revoked (by its id or the whole key). KeyError when there is no such key."""
+    match = _KEY_RE.match(key_or_id)
+    key_id = match.group(1) if match else key_or_id
+    with locked(path):
+        store = KeyStore.load(path)
+        record = store.keys.get(key_id)
+        if record is None:
+            raise KeyError(key_id)
+        if record.revoked is None:
+            record = KeyRecord(**{**asdict(record), "revoked": time.time()})
+            KeyStore(store.tenants, {**store.keys, key_id: record}).save(path)
+    return record
+
+
+def file_signature(path: str) -> tuple | None:
+    """What changes when the file is replaced or edited (inode, size, mtime), None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)

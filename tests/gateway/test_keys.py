@@ -1,0 +1,98 @@
+"""Tenants and keys: the keys file and `inferd keys` (create prints the key once, the file holds only its hash)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from inferd.gateway.tenants import AuthError, KeyStore, Tenant, create_key, revoke_key
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def test_create_authenticate_revoke(tmp_path):
+    path = str(tmp_path / "keys.json")
+    key, tenant = create_key(path, "acme", "interactive", rpm=60, tpm=10_000, max_concurrency=4, weight=2.0)
+    assert tenant == Tenant("acme", "interactive", 60, 10_000, 4, 2.0)
+    text = open(path).read()
+    assert key not in text and key.split("-")[-1] not in text  # only the hash is stored
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    store = KeyStore.load(path)
+    assert store.authenticate(key) == tenant
+
+    other, _ = create_key(path, "acme")  # a second key; the tenant keeps its settings
+    assert KeyStore.load(path).authenticate(other).tpm == 10_000
+    revoke_key(path, key.split("-")[2])  # by id
+    store = KeyStore.load(path)
+    with pytest.raises(AuthError, match="revoked"):
+        store.authenticate(key)
+    assert store.authenticate(other).name == "acme"
+
+
+@pytest.mark.parametrize("bad", ["", "hello", "sk-inferd-zzzz", "sk-inferd-0123456789ab-short",
+                                 "sk-inferd-0123456789ab-" + "a" * 43 + "x"])
+def test_malformed_keys_are_refused(tmp_path, bad):
+    with pytest.raises(AuthError, match="Malformed"):
+        KeyStore().authenticate(bad)
+
+
+def test_unknown_and_tampered_keys_are_refused(tmp_path):
+    path = str(tmp_path / "keys.json")
+    key, _ = create_key(path, "acme")
+    store = KeyStore.load(path)
+    tampered = key[:-1] + ("A" if key[-1] != "A" else "B")
+    with pytest.raises(AuthError, match="Incorrect"):
+        store.authenticate(tampered)
+    unknown = "sk-inferd-000000000000-" + key.split("-", 3)[3]
+    with pytest.raises(AuthError, match="Incorrect"):
+        store.authenticate(unknown)
+
+
+def test_invalid_files_and_settings_are_errors(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        KeyStore.load(str(path))
+    path.write_text(json.dumps({"tenants": {"x": {"tier": "platinum"}}}))
+    with pytest.raises(ValueError, match="tier"):
+        KeyStore.load(str(path))
+    with pytest.raises(ValueError, match="tpm"):
+        create_key(str(tmp_path / "k2.json"), "x", tpm=0)
+    assert KeyStore.load(str(tmp_path / "missing.json")).keys == {}
+
+
+def _inferd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "inferd", *args], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+
+
+@pytest.mark.timeout(180)
+def test_keys_cli(tmp_path):
+    path = str(tmp_path / "keys.json")
+    created = _inferd("keys", "create", "--keys", path, "--tenant", "acme", "--tier", "batch", "--tpm", "5000")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    assert key.startswith("sk-inferd-") and "\n" not in key  # stdout is the key alone (scripts capture it)
+    assert KeyStore.load(path).authenticate(key).tier == "batch"
+    listed = _inferd("keys", "list", "--keys", path)
+    assert listed.returncode == 0 and "acme" in listed.stdout and "batch" in listed.stdout
+    assert key not in listed.stdout and key.split("-")[2] in listed.stdout
+    revoked = _inferd("keys", "revoke", "--keys", path, key)
+    assert revoked.returncode == 0, revoked.stderr
+    assert KeyStore.load(path).keys[key.split("-")[2]].revoked is not None
+    missing = _inferd("keys", "revoke", "--keys", path, "nope")
+    assert missing.returncode == 2 and "no key" in missing.stderr
+    bad = _inferd("keys", "create", "--keys", path, "--tenant", "x", "--rpm", "-3")
+    assert bad.returncode == 2 and "rpm" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_a_public_address_without_keys(tmp_path, smollm2_gguf_path):
+    out = _inferd("serve", "--host", "0.0.0.0", "--port", "0", "--model", smollm2_gguf_path)
+    assert out.returncode == 2
+    assert "without API keys" in out.stderr and "loopback" in out.stderr
