@@ -1,0 +1,228 @@
+"""`inferd worker --echo`: a worker whose engine runs no model, so that the gateway, the API process and the worker
+protocol can be measured (and tested) alone.
+
+EchoEngine owns the part of the Engine interface that EngineLoop and build_hello use: add_request (validated like
+the Engine's), abort, step, has_unfinished_requests, take_pending_outputs, requests, max_model_len, model_config,
+eos_token_ids, stats.num_steps, and a nominal kv_cache / scheduler for the heartbeat's stats snapshot.
+
+What it generates: every step, each running request gets one token, the prompt's tokens in turn (cycling), and
+finishes with finish_reason "length" at max_tokens (or at the context window), or "stop" on one of its
+stop_token_ids (after min_tokens; so a test can end a request at a chosen length). EOS and stop strings are ignored;
+logprobs, when asked for, describe a
+certain model (the echoed token at logprob 0). No sleeps and no torch compute: a step costs microseconds, so whatever
+time a request takes is the serving path's own.
+
+Only the model's config is read (config.json or the GGUF header), never its weights: start-up takes well under a
+second after the imports.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+from ..config import DEFAULT_HEARTBEAT_INTERVAL, EngineConfig
+from ..engine.engine import RequestOutput, StepStats
+from ..engine.kv_cache import PrefixCacheStats
+from ..engine.request import FinishReason, InvalidRequestError, SamplingParams
+from ..engine.sampler import TokenLogprob
+from ..models.config import ModelConfig
+
+log = logging.getLogger("inferd.worker")
+
+
+@dataclass(eq=False)  # identity: list.remove() on abort must not compare token lists
+class EchoRequest:
+    request_id: str
+    token_ids: list[int]  # prompt + generated (a replayed request's prompt already holds its first outputs)
+    num_prompt_tokens: int  # the original prompt: outputs echo token_ids[:num_prompt_tokens]
+    params: SamplingParams
+    arrival_seq: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def next_token(self) -> int:
+        # output i echoes prompt token i mod the prompt's length: a replay continues exactly where it stopped
+        return self.token_ids[self.num_output_tokens % self.num_prompt_tokens]
+
+
+@dataclass
+class EchoScheduler:
+    """The scheduler's counters that the stats snapshot reads. Running is capped at max_num_seqs (the rest waits, in
+    priority then arrival order, as in the real scheduler); there is no token budget and no preemption."""
+    max_num_seqs: int
+    running: list[EchoRequest] = field(default_factory=list)
+    waiting: list[EchoRequest] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class NominalKVCache:
+    """A KV pool that is never short: enough blocks for every running slot at the full context window. Blocks in use
+    are counted from the running requests' lengths, only when a snapshot asks."""
+
+    def __init__(self, block_size: int, num_blocks: int, scheduler: EchoScheduler):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.stats = PrefixCacheStats()  # no prefix cache: zero hits, zero queries
+        self._scheduler = scheduler
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - sum(self.blocks_needed(len(r.token_ids)) for r in self._scheduler.running)
+
+
+class EchoEngine:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)  # reported in the hello, never acted on
+        self.scheduler = EchoScheduler(config.max_num_seqs)
+        per_request = -(-self.max_model_len // config.block_size)
+        self.kv_cache = NominalKVCache(config.block_size, per_request * config.max_num_seqs, self.scheduler)
+        self.requests: dict[str, EchoRequest] = {}
+        self.stats = StepStats()
+        self._arrivals = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "EchoEngine":
+        """Reads the model's config.json or GGUF metadata only (the cheapest source of vocab_size and context)."""
+        from ..models.loader import default_model_path, load_model_config
+
+        return cls(load_model_config(config.model or default_model_path()), config)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
+                 ) -> None:
+        """The Engine's checks (same messages), less the KV pool's, which the nominal pool always passes."""
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise InvalidRequestError(f"{name} token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        if not 0 < orig <= len(prompt_token_ids):
+            raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")
+        if len(prompt_token_ids) - orig >= params.max_tokens:
+            raise InvalidRequestError("a replayed request already has max_tokens output tokens")
+        total = orig + params.max_tokens
+        if orig >= self.max_model_len or total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context window is {self.max_model_len} tokens; the request needs {total} "
+                f"({orig} in the prompt, {params.max_tokens} in the completion)")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, num_prompt_tokens: int | None = None) -> str:
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params, num_prompt_tokens)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        req = EchoRequest(request_id, list(prompt_token_ids), orig, params, next(self._arrivals))
+        self.requests[request_id] = req
+        self.scheduler.waiting.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for queue in (self.scheduler.running, self.scheduler.waiting):
+            if req in queue:
+                queue.remove(req)
+        self._pending_outputs.append(self._output(req, [], FinishReason.ABORT))
+        return True
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self.take_pending_outputs()
+        self._admit()
+        running = self.scheduler.running
+        if not running:
+            return outputs
+        self.stats.num_steps += 1
+        self.stats.num_sampled += len(running)
+        still_running = []
+        for req in running:
+            token = req.next_token()
+            req.token_ids.append(token)
+            stop = token in req.params.stop_token_ids and req.num_output_tokens >= req.params.min_tokens
+            length = req.num_output_tokens >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len
+            reason = FinishReason.STOP if stop else FinishReason.LENGTH if length else None
+            if reason is not None:
+                del self.requests[req.request_id]
+            else:
+                still_running.append(req)
+            outputs.append(self._output(req, [token], reason, token if stop else None))
+        self.scheduler.running = still_running
+        return outputs
+
+    def _admit(self) -> None:
+        s = self.scheduler
+        if not s.waiting or len(s.running) >= s.max_num_seqs:
+            return
+        s.waiting.sort(key=lambda r: (r.params.priority, r.arrival_seq))
+        free = s.max_num_seqs - len(s.running)
+        s.running.extend(s.waiting[:free])
+        del s.waiting[:free]
+
+    def _output(self, req: EchoRequest, new_ids: list[int], reason: FinishReason | None,
+                stop_reason: int | None = None) -> RequestOutput:
+        return RequestOutput(req.request_id, new_ids, "", reason is not None, reason.value if reason else None,
+                             stop_reason,
+                             req.num_prompt_tokens, req.num_output_tokens, 0, self._logprobs(req, new_ids))
+
+    def _logprobs(self, req: EchoRequest, new_ids: list[int]) -> list[TokenLogprob]:
+        """A certain model: the echoed token at logprob 0, then (for top-n) the next ids at -inf."""
+        n = req.params.logprobs
+        if n is None or not new_ids:
+            return []
+        token, vocab = new_ids[0], self.model_config.vocab_size
+        top = [(token, 0.0)] + [((token + i) % vocab, float("-inf")) for i in range(1, n)]
+        return [TokenLogprob(token, 0.0, top[:n])]
+
+
+# ---- the process ----------------------------------------------------------------------------------------------
+def run_echo_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
+                    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, worker_id: str | None = None,
+                    parent_pid: int | None = None) -> int:
+    """`inferd worker --echo`: run_worker's process, with an EchoEngine instead of a loaded model."""
+    from .server import WorkerServer, build_hello, die_with_parent
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    engine = EchoEngine.from_config(config)
+    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    hello = build_hello(engine, config, worker_id, heartbeat_interval)
+    log.info("echo worker: no model loaded; answers echo the prompt (vocab %d, context %d)", hello.vocab_size,
+             hello.max_model_len)
+    server = WorkerServer(engine, hello, host, port, heartbeat_interval)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.request_shutdown(0.0))
+    server.serve_forever()
+    return server.exit_code
