@@ -5,17 +5,22 @@ raw prompt, offline) and chat (a terminal chat), both streaming."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import sys
+import time
 
 # The parent at start-up, read before the slow imports below: `worker --die-with-parent` compares it with the parent
 # after arming PR_SET_PDEATHSIG, to notice a parent that died in between.
 _PARENT_PID_AT_START = os.getppid()
 
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
-                     DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PORT,
-                     MAX_REQUEST_BODY_BYTES, EngineConfig)
+                     DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                     DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
+                     DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
+                     MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
+from .gateway.line import POLICIES
 
 
 def parse_bytes(text: str) -> int:
@@ -132,6 +137,8 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if getattr(args, "echo", False):
+        out.append("--echo")
     return out
 
 
@@ -144,12 +151,116 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: model path {model_path} does not exist", file=sys.stderr)
         return 2
     api_key = args.api_key if args.api_key is not None else os.environ.get("INFERD_API_KEY") or None
+    if api_key is None and args.keys is None and not is_loopback(args.host):
+        print(f"error: refusing to serve on {args.host} without API keys: anyone who can reach it could use it. "
+              "Give --keys FILE (inferd keys create) or --api-key, or bind to a loopback address.", file=sys.stderr)
+        return 2
     opts = ServeOptions(host=args.host, port=args.port, model_path=model_path,
                         served_model_name=args.served_model_name or default_served_name(model_path),
                         worker_args=worker_args(args, model_path), api_key=api_key,
                         max_body_bytes=args.max_body_bytes, heartbeat_timeout=args.heartbeat_timeout,
-                        shutdown_grace=args.shutdown_grace, log_level=args.log_level)
+                        shutdown_grace=args.shutdown_grace, log_level=args.log_level, keys_path=args.keys,
+                        redis_url=args.redis, rate_window=args.rate_window, queue_timeout=args.queue_timeout,
+                        max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
+                        fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
+                        sse_keepalive=args.sse_keepalive)
     return run_server(opts)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway: tenants, quotas, the waiting line")
+    g.add_argument("--keys", default=None, metavar="FILE", help="tenants and API keys (`inferd keys create`); "
+                   "reloaded on SIGHUP and when the file changes")
+    g.add_argument("--redis", default=None, metavar="URL", help="keep quota buckets in Redis (redis://HOST:PORT/DB) "
+                   "so that several servers enforce one limit (default: in this process)")
+    g.add_argument("--rate-window", type=float, default=DEFAULT_RATE_WINDOW_S,
+                   help=f"seconds over which RPM/TPM buckets refill (default {DEFAULT_RATE_WINDOW_S:g})")
+    g.add_argument("--queue-timeout", type=parse_queue_timeout, default=dict(DEFAULT_QUEUE_TIMEOUT_S),
+                   metavar="SECONDS|TIER=SECONDS,...", help="how long a request may wait for a worker (default "
+                   + ",".join(f"{t}={v:g}" for t, v in DEFAULT_QUEUE_TIMEOUT_S.items()) + f"; header "
+                   "x-inferd-queue-timeout per request)")
+    g.add_argument("--max-queue-requests", type=int, default=DEFAULT_MAX_QUEUE_REQUESTS,
+                   help=f"requests in the waiting line (default {DEFAULT_MAX_QUEUE_REQUESTS})")
+    g.add_argument("--max-queue-tokens", type=int, default=DEFAULT_MAX_QUEUE_TOKENS,
+                   help=f"reserved tokens in the waiting line (default {DEFAULT_MAX_QUEUE_TOKENS})")
+    g.add_argument("--fairness", choices=POLICIES, default="vtc",
+                   help="order inside a tier: vtc (fair share between tenants, default) or fcfs")
+    g.add_argument("--worker-queue-depth", type=int, default=DEFAULT_WORKER_QUEUE_DEPTH,
+                   help=f"requests a worker holds beyond its batch slots (default {DEFAULT_WORKER_QUEUE_DEPTH})")
+    g.add_argument("--sse-keepalive", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
+                   help=f"seconds between keep-alive comments while a stream waits (default "
+                   f"{DEFAULT_SSE_KEEPALIVE_S:g})")
+
+
+def parse_queue_timeout(text: str) -> dict[str, float]:
+    """"30" (every tier) or "interactive=5,batch=600" (the others keep their defaults)."""
+    out = dict(DEFAULT_QUEUE_TIMEOUT_S)
+    try:
+        if "=" not in text:
+            return {tier: _positive(float(text)) for tier in TIERS}
+        for part in text.split(","):
+            tier, _, value = part.partition("=")
+            if tier.strip() not in TIERS:
+                raise ValueError(f"unknown tier {tier.strip()!r}")
+            out[tier.strip()] = _positive(float(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return out
+
+
+def _positive(value: float) -> float:
+    if not 0 < value <= MAX_QUEUE_TIMEOUT_S:
+        raise ValueError(f"a queue timeout must be in (0, {MAX_QUEUE_TIMEOUT_S:g}] seconds")
+    return value
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .gateway.tenants import KeyStore, create_key, revoke_key
+
+    if args.keys_command == "create":
+        try:
+            key, tenant = create_key(args.keys, args.tenant, args.tier, args.rpm, args.tpm, args.max_concurrency,
+                                     args.weight)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(key)
+        print(f"created a key for tenant {tenant.name} (tier {tenant.tier}, rpm {tenant.rpm or '-'}, tpm "
+              f"{tenant.tpm or '-'}, concurrency {tenant.max_concurrency or '-'}, weight {tenant.weight:g}) in "
+              f"{args.keys}; it is shown only this once", file=sys.stderr)
+        return 0
+    try:
+        store = KeyStore.load(args.keys)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.keys_command == "list":
+        print(f"{'tenant':<20} {'tier':<12} {'rpm':>8} {'tpm':>10} {'conc':>5} {'weight':>6}")
+        for t in store.tenants.values():
+            print(f"{t.name:<20} {t.tier:<12} {t.rpm or '-':>8} {t.tpm or '-':>10} {t.max_concurrency or '-':>5} "
+                  f"{t.weight:>6g}")
+        print(f"\n{'key id':<14} {'tenant':<20} {'created':<20} revoked")
+        for r in store.keys.values():
+            revoked = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.revoked)) if r.revoked else "-"
+            print(f"{r.id:<14} {r.tenant:<20} {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(r.created)):<20} "
+                  f"{revoked}")
+        return 0
+    try:
+        record = revoke_key(args.keys, args.key)
+    except KeyError:
+        print(f"error: no key {args.key!r} in {args.keys}", file=sys.stderr)
+        return 2
+    print(f"revoked key {record.id} of tenant {record.tenant}", file=sys.stderr)
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -159,7 +270,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .worker.server import run_worker
+    if args.echo:
+        from .worker.echo import run_echo_worker as run_worker  # no model: answers echo the prompt
+    else:
+        from .worker.server import run_worker
 
     return run_worker(engine_config(args), host=args.host, port=args.port, heartbeat_interval=args.heartbeat_interval,
                       worker_id=args.worker_id,
@@ -185,8 +299,29 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds open responses get to finish after SIGTERM (default 5)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--echo", action="store_true", help="run an echo worker (no model; answers repeat the prompt's "
+                   "tokens): measures the server alone (bench/gateway_overhead.py)")
+    add_gateway_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    k = sub.add_parser("keys", help="tenants and their API keys (the file `inferd serve --keys` reads)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kc = ksub.add_parser("create", help="create a key for a tenant (created or updated) and print it, once")
+    kc.add_argument("--keys", required=True, metavar="FILE", help="the keys file (created if missing)")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--tier", choices=TIERS, default=None, help=f"priority tier (new tenants: {DEFAULT_TIER})")
+    kc.add_argument("--rpm", type=int, default=None, help="requests per rate window (default: unlimited)")
+    kc.add_argument("--tpm", type=int, default=None, help="tokens (prompt + max_tokens, refunded to the tokens "
+                    "used) per rate window (default: unlimited)")
+    kc.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (default: unlimited)")
+    kc.add_argument("--weight", type=float, default=None, help="fair-share weight (default 1)")
+    kl = ksub.add_parser("list", help="list tenants and keys (never the keys themselves)")
+    kl.add_argument("--keys", required=True, metavar="FILE")
+    kr = ksub.add_parser("revoke", help="revoke a key by its id (or the whole key)")
+    kr.add_argument("--keys", required=True, metavar="FILE")
+    kr.add_argument("key")
+    k.set_defaults(func=cmd_keys)
 
     b = sub.add_parser("bench", help="load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
     from .bench.loadgen import add_bench_arguments
@@ -222,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--die-with-parent", action=argparse.BooleanOptionalAction, default=False,
                    help="exit (SIGTERM) when the parent process dies (Linux); supervisors turn it on")
     w.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    w.add_argument("--echo", action="store_true", help="no model (only its config is read): every step gives each "
+                   "request the next token of its prompt, until max_tokens")
     add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 

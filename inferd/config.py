@@ -28,6 +28,7 @@ MAX_CHOICES_PER_REQUEST = 128  # prompts x n
 MAX_LOGPROBS = 20  # `logprobs` (completions) and `top_logprobs` (chat)
 MAX_STOP_STRINGS = 16  # entries of `stop`
 MAX_STOP_STRING_CHARS = 1024  # the text held back while it could still become a stop string
+HTTP_KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this (uvicorn's default, 5 s, races clients)
 WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up
 WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crashed worker is started again
 

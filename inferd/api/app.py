@@ -16,15 +16,22 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..config import DEFAULT_SSE_KEEPALIVE_S, MAX_QUEUE_TIMEOUT_S, TIERS
+from ..gateway.admission import Gateway, RateLimited
 from ..gateway.router import Router
+from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
 from .errors import INVALID_REQUEST, APIError, install_error_handlers, invalid
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList,
                       TokenizeRequest, TokenizeResponse)
-from .serving import OpenAIServing, Prepared, complete, first_event, not_ready, stream, worker_error
+from .serving import SSE_DONE, OpenAIServing, Prepared, Run, complete, first_event, not_ready, sse, stream, worker_error
 
 RECEIVED_AT = "inferd.received_at"  # scope key: time.perf_counter() when the request arrived
+TENANT = "inferd.tenant"  # scope key: the Tenant the request's key belongs to
+TIER_HEADER = "x-inferd-tier"  # a request may ask for a lower tier than its tenant's, never a higher one
+QUEUE_TIMEOUT_HEADER = "x-inferd-queue-timeout"  # seconds the request may wait for a worker (default: its tier's)
+DEFAULT_TENANT = Tenant("default")  # the tenant of the single --api-key
 
 
 @dataclass
@@ -36,6 +43,17 @@ class ServerState:
     max_body_bytes: int = 8 << 20
     serving: OpenAIServing | None = None  # set once the tokenizer is loaded
     started: int = field(default_factory=lambda: int(time.time()))
+    gateway: Gateway | None = None  # default: in-process limits and line over `router`
+    keys: KeyStore | None = None  # None: no keys file (then --api-key, or no authentication on loopback)
+    sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
+
+    def __post_init__(self) -> None:
+        if self.gateway is None:
+            self.gateway = Gateway(self.router, metrics=self.metrics)
+
+    @property
+    def authenticates(self) -> bool:
+        return self.keys is not None or self.api_key is not None
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -144,25 +162,143 @@ def _model_card(state: ServerState) -> dict:
 
 
 async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) -> Response:
-    run = serving.start(prep)
+    """Admission (quota, line, overload), then the run: a JSON body, or an SSE stream. Refusals before the
+    response starts are HTTP errors; after it, SSE error events."""
+    state: ServerState = request.app.state.inferd
+    tenant: Tenant = request.scope[TENANT]
+    band, queue_timeout = _requested_band(request, tenant), _requested_timeout(request)
     try:
-        run.dispatch()
+        ticket = await state.gateway.admit(tenant, band, prep.prompt_tokens, prep.reserved_tokens, queue_timeout)
+    except RateLimited as e:
+        raise _rate_limited(e) from None
+    except Exception as e:  # Overloaded, NoWorkerAvailable
+        raise worker_error(e) from None
+    run = serving.start(prep)
+    run.on_tokens = ticket.on_output
+    headers = ticket.decision.headers()
+    try:
         if prep.stream:
-            events, first = await _until_disconnect(request, first_event(run))
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(stream(run, events, first), media_type="text/event-stream", headers=headers)
+            return await _start_stream(state, run, ticket, band, request, headers)
+        worker = await _until_disconnect(request, ticket.wait())
+        run.dispatch(worker, band, ticket.queue_seconds)
         body = await _until_disconnect(request, complete(run))
         await run.aclose()
-        return JSONResponse(body)
+        response = JSONResponse(body, headers={**headers, **_dispatch_headers(ticket)})
+        _observe_overhead(state, prep, run, ticket)
+        return response
     except _ClientGone:  # nobody is left to read a response: do not log it as a server error
         await run.aclose()
         return Response(status_code=499)
     except APIError:
         await run.aclose()
         raise
-    except Exception as e:  # NoWorkerAvailable, WorkerDead, RequestRejected, ...
+    except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected, ...
         await run.aclose()
         raise worker_error(e) from None
+    finally:
+        if not (prep.stream and ticket.streaming):
+            await ticket.finish(_used_tokens(run))
+
+
+def _used_tokens(run: Run) -> int:
+    return run.usage()["total_tokens"] if run.dispatched_at is not None else 0
+
+
+def _observe_overhead(state: ServerState, prep: Prepared, run: Run, ticket) -> None:
+    """The gateway's own time: receipt to response, less the line and the worker (dispatch to last output)."""
+    now = time.perf_counter()
+    worker_s = (run.last_output_at or now) - (run.dispatched_at or now)
+    state.metrics.gateway_overhead.observe(max(0.0, now - prep.received_at - ticket.queue_seconds - worker_s))
+
+
+def _dispatch_headers(ticket) -> dict[str, str]:
+    return {"x-inferd-queue-seconds": f"{ticket.queue_seconds:.4f}", "x-inferd-dispatch-seq": str(ticket.dispatch_seq),
+            "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.band]}
+
+
+async def _start_stream(state: ServerState, run: Run, ticket, band: int, request: Request,
+                        headers: dict[str, str]) -> Response:
+    """Waits (up to the keep-alive interval) for a worker and the first event, so that a refusal is still an HTTP
+    error; a stream still waiting after that starts with keep-alive comments and ends in band if it fails."""
+
+    async def start():
+        worker = await ticket.wait()
+        run.dispatch(worker, band, ticket.queue_seconds)
+        return await first_event(run)
+
+    starting = asyncio.ensure_future(start())
+    try:
+        await _until_disconnect(request, asyncio.wait({starting}, timeout=state.sse_keepalive_s))
+    except _ClientGone:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        raise
+    sse_headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if starting.done():
+        events, first = starting.result()  # raises a refusal as an HTTP error
+        sse_headers.update(_dispatch_headers(ticket))
+    ticket.streaming = True  # from here the body owns the ticket
+    return StreamingResponse(_stream_body(state, run, ticket, starting), media_type="text/event-stream",
+                             headers=sse_headers)
+
+
+async def _stream_body(state: ServerState, run: Run, ticket, starting: asyncio.Future):
+    try:
+        while not starting.done():
+            await asyncio.wait({starting}, timeout=state.sse_keepalive_s)
+            if not starting.done():
+                yield b": keep-alive\n\n"
+        try:
+            events, first = starting.result()
+        except Exception as e:  # queue timeout, shed, worker lost, ...: the headers are gone, the error goes in band
+            yield sse(worker_error(e).body())
+            yield SSE_DONE
+            return
+        async for chunk in stream(run, events, first):
+            yield chunk
+    finally:
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+        await run.aclose()
+        await ticket.finish(_used_tokens(run))
+
+
+def _rate_limited(e: RateLimited) -> APIError:
+    d = e.decision
+    headers = d.headers()
+    if d.reason == "too_large":
+        return APIError(429, e.message, "rate_limit_exceeded", code="request_too_large", headers=headers)
+    headers["Retry-After"] = d.retry_after_header
+    return APIError(429, e.message, "rate_limit_exceeded", code="rate_limit_exceeded", headers=headers)
+
+
+def _requested_band(request: Request, tenant: Tenant) -> int:
+    asked = request.headers.get(TIER_HEADER)
+    if asked is None:
+        return tenant.band
+    asked = asked.strip().lower()
+    if asked not in TIERS:
+        raise invalid(f"{TIER_HEADER} must be one of {', '.join(TIERS)}, got {asked!r}", param=TIER_HEADER)
+    if TIERS.index(asked) < tenant.band:
+        raise APIError(403, f"tenant {tenant.name} is in tier {tenant.tier} and may not ask for tier {asked} "
+                       "(a request may ask for a lower tier, never a higher one)", "permission_error",
+                       param=TIER_HEADER, code="tier_not_allowed")
+    return TIERS.index(asked)
+
+
+def _requested_timeout(request: Request) -> float | None:
+    raw = request.headers.get(QUEUE_TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_QUEUE_TIMEOUT_S:  # NaN fails too
+        raise invalid(f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_QUEUE_TIMEOUT_S:g}], got "
+                      f"{raw!r}", param=QUEUE_TIMEOUT_HEADER)
+    return value
 
 
 class _ClientGone(Exception):
@@ -245,17 +381,27 @@ class Gatekeeper:
             self.state.metrics.requests.labels(route, str(status[0] or 499)).inc()
 
     def _check_key(self, scope, path: str) -> APIError | None:
-        key = self.state.api_key
-        if key is None or path in _PUBLIC_PATHS:
+        """Resolves the request's key to its tenant (scope[TENANT]); a 401 when the key is missing or refused."""
+        state = self.state
+        if not state.authenticates:
+            scope[TENANT] = _ANONYMOUS
+            return None
+        if path in _PUBLIC_PATHS:
             return None
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
         scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            return APIError(401, "You didn't provide an API key: send it as 'Authorization: Bearer KEY'",
-                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(given.strip().encode(), key.encode()):
-            return APIError(401, "Incorrect API key provided", code="invalid_api_key",
-                            headers={"WWW-Authenticate": "Bearer"})
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            return _unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer KEY'")
+        if state.api_key is not None and hmac.compare_digest(given.encode(), state.api_key.encode()):
+            scope[TENANT] = DEFAULT_TENANT
+            return None
+        if state.keys is None:
+            return _unauthorized("Incorrect API key provided")
+        try:
+            scope[TENANT] = state.keys.authenticate(given)
+        except AuthError as e:
+            return _unauthorized(str(e))
         return None
 
     async def _buffer_body(self, scope, receive):
@@ -278,6 +424,13 @@ class Gatekeeper:
             chunks.append(body)
             more = message.get("more_body", False)
         return None, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+_ANONYMOUS = Tenant(ANONYMOUS)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _replay(messages: list, receive):

@@ -15,9 +15,11 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..config import DEFAULT_HEARTBEAT_TIMEOUT, MAX_REQUEST_BODY_BYTES
+from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
+                      DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S,
+                      DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES)
 
 log = logging.getLogger("inferd.api")
 
@@ -34,6 +36,15 @@ class ServeOptions:
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     shutdown_grace: float = 5.0
     log_level: str = "info"
+    keys_path: str | None = None
+    redis_url: str | None = None
+    rate_window: float = DEFAULT_RATE_WINDOW_S
+    queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
+    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
+    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+    fairness: str = "vtc"
+    worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
+    sse_keepalive: float = DEFAULT_SSE_KEEPALIVE_S
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -67,21 +78,34 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     import uvicorn
 
     from ..cluster.supervisor import LocalWorker
+    from ..gateway.admission import Gateway, GatewayOptions
     from ..gateway.router import Router
+    from ..gateway.tenants import KeyStore
     from ..telemetry.metrics import Metrics
     from .app import ServerState, build_app
 
     router = Router()
     metrics = Metrics(opts.served_model_name, router.latest_stats)
-    state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes)
+    try:
+        limiter = await _limiter(opts)
+        keys = KeyStore.load(opts.keys_path) if opts.keys_path else None
+    except Exception as e:  # Redis unreachable, a keys file that does not parse
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
+                                                      opts.queue_timeout, opts.fairness, opts.worker_queue_depth),
+                      metrics)
+    state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
+                        keys=keys, sse_keepalive_s=opts.sse_keepalive)
     app = build_app(state)
+    watching = asyncio.create_task(_watch_keys(state, opts.keys_path)) if opts.keys_path else None
 
     def hook_metrics(client) -> None:
         client.on_step = lambda seconds, _n: metrics.step_time.observe(seconds)
 
     worker = LocalWorker(opts.worker_args, router, heartbeat_timeout=opts.heartbeat_timeout, on_attach=hook_metrics)
     config = uvicorn.Config(app, log_level="warning", access_log=False, http="httptools", lifespan="off",
-                            timeout_graceful_shutdown=opts.shutdown_grace)
+                            timeout_graceful_shutdown=opts.shutdown_grace, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
     server = _server_class()(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
@@ -102,12 +126,65 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     supervision = asyncio.create_task(worker.supervise())
     shown = f"[{host}]" if ":" in host else host
     print(f"READY http://{shown}:{port}", flush=True)
-    log.info("serving %s on http://%s:%d (API key %s)", opts.served_model_name, shown, port,
-             "required" if opts.api_key else "not required")
+    if state.authenticates:
+        log.info("serving %s on http://%s:%d (API keys required: %s)", opts.served_model_name, shown, port,
+                 f"{len(keys.keys)} in {opts.keys_path}" if keys is not None else "--api-key")
+    else:
+        log.warning("serving %s on http://%s:%d WITHOUT API keys: every request is accepted (allowed only because "
+                    "%s is a loopback address; give --keys FILE to require keys)", opts.served_model_name, shown, port,
+                    opts.host)
     await serving  # until SIGTERM/SIGINT
     supervision.cancel()
+    if watching is not None:
+        watching.cancel()
+    await limiter.close()
     await worker.stop(grace_period=0.0)
     return 0
+
+
+async def _limiter(opts: ServeOptions):
+    from ..gateway.limits import InProcessLimiter
+
+    if opts.redis_url is None:
+        return InProcessLimiter(opts.rate_window)
+    from ..gateway.redis_limits import RedisLimiter
+
+    limiter = RedisLimiter(opts.redis_url, opts.rate_window)
+    try:
+        await limiter.ping()
+    except Exception as e:
+        await limiter.close()
+        raise RuntimeError(f"cannot use Redis at {opts.redis_url} for the rate limits: {e}") from None
+    return limiter
+
+
+async def _watch_keys(state, path: str) -> None:
+    """Reloads the keys file on SIGHUP and whenever it changes (polled): a revoked key stops working without a
+    restart. A file that does not parse is reported and the previous keys stay in force."""
+    from ..gateway.tenants import KeyStore, file_signature
+
+    loop = asyncio.get_running_loop()
+    hup = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, hup.set)
+    seen = file_signature(path)
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hup.wait(), KEYS_POLL_S)
+            signature = file_signature(path)
+            if not hup.is_set() and signature == seen:
+                continue
+            hup.clear()
+            seen = signature
+            try:
+                state.keys = await asyncio.to_thread(KeyStore.load, path)
+            except ValueError as e:
+                log.error("keys file not reloaded, the previous keys stay in force: %s", e)
+                continue
+            log.info("keys reloaded from %s: %d tenants, %d keys", path, len(state.keys.tenants),
+                     len(state.keys.keys))
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
 
 
 def _server_class():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_CHOICES_PER_REQUEST
 from ..engine.request import SamplingParams
+from ..gateway.admission import Overloaded, QueueTimeout
 from ..gateway.router import NoWorkerAvailable, Router
 from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
 from ..telemetry.metrics import Metrics
@@ -47,6 +48,10 @@ def worker_error(exc: Exception) -> APIError:
         return invalid(str(exc), code="invalid_value")
     if isinstance(exc, NoWorkerAvailable):
         return not_ready(str(exc), exc.retry_after)
+    if isinstance(exc, Overloaded):
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, QueueTimeout):
+        return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, WorkerDead):
         return APIError(503, f"the worker serving this request was lost: {exc}", code="worker_lost",
                         headers={"Retry-After": "1"})
@@ -71,6 +76,16 @@ class Prepared:
     tokens_as_ids: bool
     received_at: float  # time.perf_counter() at receipt
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens as usage counts them: each prompt once, whatever n is."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What the request may cost at most: its prompts and every choice's max_tokens (reserved at admission)."""
+        return self.prompt_tokens + sum(p.max_tokens for p in self.params)
 
 
 @dataclass
@@ -233,14 +248,22 @@ class Run:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._single = None  # the stream of a one-choice request, read in place (no task, no second queue)
+        self.on_tokens = None  # called with the number of new tokens of every output (the gateway's fair share)
+        self.dispatched_at: float | None = None
+        self.last_output_at: float | None = None  # when the last worker output arrived
 
-    def dispatch(self) -> None:
-        """Sends every choice to a worker; NoWorkerAvailable if there is none."""
+    def dispatch(self, worker=None, priority: int = 0, queue_seconds: float = 0.0) -> None:
+        """Sends every choice to `worker` (the gateway's choice; default: the router's pick), with the engine
+        priority of its band; NoWorkerAvailable if there is none."""
         prep, router = self.prep, self.serving.router
-        streams = [router.generate(f"{prep.id}-{i}", prep.prompts[prep.prompt_of[i]], prep.params[i])
+        if worker is None:
+            worker = router.pick()  # fail before anything is sent when no worker is attached
+        for params in prep.params:
+            params.priority = priority
+        streams = [router.generate(f"{prep.id}-{i}", prep.prompts[prep.prompt_of[i]], prep.params[i], worker)
                    for i in range(len(self.choices))]
-        router.pick()  # fail before anything is sent when no worker is attached
-        self.serving.metrics.dispatch_overhead.observe(time.perf_counter() - prep.received_at)
+        self.dispatched_at = time.perf_counter()
+        self.serving.metrics.dispatch_overhead.observe(self.dispatched_at - prep.received_at - queue_seconds)
         self.serving.metrics.prompt_tokens.inc(sum(len(prep.prompts[p]) for p in prep.prompt_of))
         if len(streams) == 1:  # the common case, on the per-token hot path: no task switch per token
             self._single = streams[0]
@@ -284,6 +307,9 @@ class Run:
 
     def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list]:
         now = time.perf_counter()
+        self.last_output_at = out.received_at or now
+        if self.on_tokens is not None and out.new_token_ids:
+            self.on_tokens(len(out.new_token_ids))
         if choice.first_token_at is None and out.new_token_ids:
             choice.first_token_at = now
             self.serving.metrics.ttft.observe(now - self.prep.received_at)

@@ -1,14 +1,16 @@
-"""Router: binds each request to a worker at dispatch time and streams its outputs back.
+"""Router: the attached workers, and a request's stream from the worker it was bound to.
 
-Workers attach when their connection is up and detach when it dies. A request goes to the attached worker with the
-fewest requests in flight; every dispatch carries a fresh epoch (see the worker protocol), so that outputs a worker
-sends for a dispatch the router gave up on are dropped.
+Workers attach when their connection is up and detach when it dies; `on_change` callbacks (the gateway's dispatch)
+run when one attaches. Which worker a request goes to is the gateway's decision (inferd/gateway/admission.py: only
+a worker with room); without one, `pick` takes the attached worker with the fewest requests in flight. Every dispatch
+carries a fresh epoch (see the worker protocol), so that outputs a worker sends for a dispatch the router gave up on
+are dropped.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ..engine.request import SamplingParams
 from ..worker.client import WorkerClient
@@ -28,9 +30,12 @@ class Router:
         self.workers: list[WorkerClient] = []
         self._reason = "the model is loading"  # why no worker is attached
         self._epochs = itertools.count(1)
+        self.on_change: list[Callable[[], None]] = []
 
     def attach(self, client: WorkerClient) -> None:
         self.workers.append(client)
+        for callback in self.on_change:
+            callback()
 
     def detach(self, client: WorkerClient, reason: str) -> None:
         if client in self.workers:
@@ -72,11 +77,12 @@ class Router:
             raise NoWorkerAvailable(f"no worker is available: {self.not_ready_reason}")
         return min(live, key=lambda w: w.num_streams)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[WorkerOutput]:
-        """The request's outputs, step by step. Raises NoWorkerAvailable before anything was sent, else what
-        WorkerClient.generate raises. Leaving the iteration early aborts the request in the worker."""
-        worker = self.pick()
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       worker: WorkerClient | None = None) -> AsyncIterator[WorkerOutput]:
+        """The request's outputs, step by step, from `worker` (default: pick()). Raises NoWorkerAvailable before
+        anything was sent, else what WorkerClient.generate raises. Leaving the iteration early aborts the request in
+        the worker."""
+        worker = worker if worker is not None else self.pick()
         stream = worker.generate(request_id, prompt_token_ids, params, epoch=next(self._epochs))
         try:
             async for out in stream:

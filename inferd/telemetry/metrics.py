@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # the *_created series double the output and no dashboard reads them
@@ -45,6 +46,29 @@ class Metrics:
         self.write_overhead = Histogram(
             "inferd_server_token_write_seconds", "Server's own time from a token's arrival from the worker to its "
             "SSE write", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.gateway_overhead = Histogram(
+            "inferd_gateway_overhead_seconds", "Time the API/gateway process adds to a request: receipt to the end "
+            "of its response, less the time spent waiting in the line and for the worker", buckets=OVERHEAD_BUCKETS,
+            registry=r)
+        # the gateway: quotas, the waiting line, admission
+        self.admissions = Counter("inferd_gateway_admissions", "Generation requests by admission outcome",
+                                  ["outcome"], registry=r)
+        self.queue_requests = Gauge("inferd_queue_requests", "Requests waiting in the gateway's line", ["tier"],
+                                    registry=r)
+        self.queue_tokens = Gauge("inferd_queue_tokens", "Reserved tokens of the requests in the line", registry=r)
+        self.queue_requests_max = Gauge("inferd_queue_requests_high_water", "Most requests ever in the line at once",
+                                        registry=r)
+        self.queue_tokens_max = Gauge("inferd_queue_tokens_high_water", "Most reserved tokens ever in the line",
+                                      registry=r)
+        self.queue_wait = Histogram("inferd_queue_wait_seconds", "Time from admission to dispatch to a worker",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.drain_rate = Gauge("inferd_drain_tokens_per_second", "Measured rate at which admitted work completes "
+                                "(prompt + generated tokens per second)", registry=r)
+        self.tenant_service = Counter("inferd_tenant_service", "Weighted service given to a tenant (VTC units: prompt "
+                                      "tokens x 1 + generated tokens x 2, over the tenant's weight)", ["tenant"],
+                                      registry=r)
+        self.tenant_tokens = Counter("inferd_tenant_tokens", "Tokens charged to a tenant's quota (after refunds)",
+                                     ["tenant"], registry=r)
         r.register(_EngineCollector(model, engine_stats))
 
     def render(self) -> bytes:

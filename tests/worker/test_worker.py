@@ -222,12 +222,13 @@ def test_kill_9_fails_the_open_stream_within_the_heartbeat_timeout(spawn_worker,
 
 
 def test_a_long_step_never_looks_like_death_but_a_hung_worker_does(spawn_worker, smollm2_gguf_path):
-    """SmolLM2-135M prefilling 1000 tokens in one step takes seconds on a CPU: the heartbeat thread keeps the
+    """SmolLM2-135M prefilling 2500 tokens in one step takes seconds on a CPU: the heartbeat thread keeps the
     client's watchdog (2 s) satisfied throughout. Then SIGSTOP: no frame at all, dead within the timeout."""
     interval, timeout = 0.1, 2.0
-    proc = spawn_worker("--heartbeat-interval", str(interval), "--max-num-batched-tokens", "1024",
-                        model=smollm2_gguf_path)
-    prompt = torch.randint(0, 49152, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+    # 2500 tokens: long enough (1.5 s+) on the fastest this machine has been (1000 tokens took 1.2 s there)
+    proc = spawn_worker("--heartbeat-interval", str(interval), "--max-num-batched-tokens", "2560",
+                        "--kv-cache-bytes", "256M", model=smollm2_gguf_path)
+    prompt = torch.randint(0, 49152, (2500,), generator=torch.Generator().manual_seed(5)).tolist()
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -1,0 +1,365 @@
+"""The gateway: a request's way from "valid" to "bound to a worker" (DESIGN.md steps 2-4).
+
+`Gateway.admit` reserves the tenant's quota (429 when the tenant is over its own limits), then either binds the
+request to a worker that has room now, or puts it in the waiting line, or refuses it at once with 503 `overloaded`
+(the line is full, or the wait it would face, queued work / measured drain rate, is over its deadline); Retry-After
+comes from the drain rate. A waiting request leaves the line when a worker has room for it (`Ticket.wait` returns the
+worker), or at its deadline with QueueTimeout, having cost no GPU time. `Ticket.finish` settles the quota with the
+tokens really used and frees the worker's room, which dispatches the next in line.
+
+Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a band or better. Work of a worse band does
+not count against a better one, so a worker full of batch work still has room for an interactive request: the
+engine runs requests by priority and preempts its least important running request for it (recompute).
+
+When the line is full, a request of a better band sheds the newest waiter of the worst band below it (503
+`overloaded` to that one), so that priority holds at the bound too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import (DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
+                      DEFAULT_WORKER_QUEUE_DEPTH, TIERS)
+from ..telemetry.metrics import Metrics
+from ..worker.client import WorkerClient
+from .limits import Decision, InProcessLimiter, Limiter
+from .line import WaitingLine, Waiter
+from .router import NoWorkerAvailable, Router
+from .tenants import Tenant
+
+DRAIN_WINDOW_S = 30.0  # the drain rate is measured over the completions of this recent window
+MAX_RETRY_AFTER_S = 120  # a Retry-After computed from the drain rate is capped here
+
+
+class RateLimited(Exception):
+    """The tenant is over its own limits: 429."""
+
+    def __init__(self, tenant: Tenant, decision: Decision, tokens: int, window: float):
+        self.tenant, self.decision, self.tokens, self.window = tenant, decision, tokens, window
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        d, t = self.decision, self.tenant
+        if d.reason == "too_large":
+            return (f"Request too large for tenant {t.name}: it needs {self.tokens} tokens (prompt + max_tokens) "
+                    f"but the tenant's limit is {t.tpm} tokens per {self.window:g} s. Reduce the prompt or "
+                    "max_tokens.")
+        what = {"requests": f"requests per {self.window:g} s (limit {t.rpm})",
+                "tokens": f"tokens per {self.window:g} s (limit {t.tpm}, remaining {d.remaining_tokens}, requested "
+                          f"{self.tokens})",
+                "concurrency": f"concurrent requests (limit {t.max_concurrency})"}[d.reason]
+        return f"Rate limit reached for tenant {t.name} on {what}. Retry after {d.retry_after_header} s."
+
+
+class Overloaded(Exception):
+    """The service is saturated: 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeout(Exception):
+    """The request's deadline passed while it waited: it never reached a worker."""
+
+    def __init__(self, waited: float):
+        super().__init__(f"the request waited {waited:.1f} s in the line without reaching a worker (its queue "
+                         "deadline)")
+        self.waited = waited
+
+
+@dataclass
+class GatewayOptions:
+    max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
+    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
+    queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
+    fairness: str = "vtc"
+    worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
+
+
+class DrainRate:
+    """Tokens of finished requests per second over the recent window; None until there is something to go on."""
+
+    def __init__(self, window: float = DRAIN_WINDOW_S):
+        self.window = window
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._started: float | None = None
+
+    def record(self, now: float, tokens: int) -> None:
+        if self._started is None:
+            self._started = now
+        self._events.append((now, tokens))
+        self._total += tokens
+
+    def rate(self, now: float) -> float | None:
+        while self._events and self._events[0][0] < now - self.window:
+            self._total -= self._events.popleft()[1]
+        if self._started is None or len(self._events) < 3:
+            return None
+        span = min(self.window, now - self._started)
+        return self._total / span if span >= 0.5 else None
+
+
+class Ticket:
+    """An admitted request: its reservation, its place in the line, then its worker."""
+
+    def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
+                 decision: Decision, timeout: float):
+        self.gateway = gateway
+        self.tenant = tenant
+        self.band = band
+        self.lease_id = lease_id
+        self.reserved_tokens = reserved_tokens
+        self.decision = decision
+        self.timeout = timeout
+        self.admitted_at = time.perf_counter()
+        self.dispatched_at: float | None = None
+        self.worker: WorkerClient | None = None
+        self.waiter: Waiter | None = None
+        self.dispatch_seq = 0  # order of dispatch (1, 2, ...)
+        self.dispatched_ahead = 0  # requests dispatched while this one waited
+        self._dispatches_at_admission = gateway._num_dispatched
+        self._future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        self._finished = False
+        self.streaming = False  # the HTTP layer's: an SSE body has taken the ticket over (and finishes it)
+
+    @property
+    def waiting(self) -> bool:
+        return not self._future.done()
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.dispatched_at or time.perf_counter()) - self.admitted_at
+
+    async def wait(self) -> WorkerClient:
+        """The worker this request is bound to (at once when it was not queued); QueueTimeout or Overloaded (shed)
+        when it leaves the line without one."""
+        return await asyncio.shield(self._future)
+
+    def _fail(self, error: Exception) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._future.done():
+            self._future.set_exception(error)
+            self._future.exception()  # retrieved here: the request may already be gone
+
+    def on_output(self, num_tokens: int) -> None:
+        """Generated tokens arrived: charged to the tenant's fair-share counter."""
+        if num_tokens:
+            g = self.gateway
+            amount = g.line.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
+            if g.metrics is not None:
+                g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
+
+    async def finish(self, used_tokens: int) -> None:
+        """Settles the quota (refunds reserved - used; everything, the request included, when it never reached a
+        worker) and frees its room. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        g = self.gateway
+        dispatched = self.worker is not None
+        if self.waiter is not None and g.line.remove(self.waiter):
+            g._update_queue_metrics()
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._future.done():
+            self._future.cancel()
+        if dispatched:
+            g._release(self.worker, self.band)
+            g.drain.record(time.perf_counter(), used_tokens)
+            g._observe_output(used_tokens, self.reserved_tokens)
+        used = used_tokens if dispatched else 0
+        if g.metrics is not None:
+            g.metrics.tenant_tokens.labels(self.tenant.name).inc(min(used, self.reserved_tokens))
+        await g.limiter.settle(self.tenant.name, self.tenant.limits, self.lease_id, self.reserved_tokens, used,
+                               refund_request=not dispatched)
+        g.pump()
+
+
+class Gateway:
+    def __init__(self, router: Router, limiter: Limiter | None = None, options: GatewayOptions | None = None,
+                 metrics: Metrics | None = None):
+        self.router = router
+        self.limiter = limiter if limiter is not None else InProcessLimiter()
+        self.options = options or GatewayOptions()
+        self.metrics = metrics
+        self.line = WaitingLine(self.options.max_queue_requests, self.options.max_queue_tokens,
+                                self.options.fairness)
+        self.drain = DrainRate()
+        self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per band
+        self._leases = itertools.count(1)
+        self._num_dispatched = 0
+        self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
+        router.on_change.append(self.pump)
+
+    # ---- admission ------------------------------------------------------------------------------------------
+    async def admit(self, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
+                    queue_timeout: float | None = None) -> Ticket:
+        """Reserves quota and binds or queues the request. Raises RateLimited (429), Overloaded (503) or
+        NoWorkerAvailable (503: no worker at all)."""
+        if not self.router.ready:
+            raise NoWorkerAvailable(f"no worker is available: {self.router.not_ready_reason}")
+        timeout = queue_timeout if queue_timeout is not None else self.options.queue_timeout[TIERS[band]]
+        lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
+        decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, reserved_tokens)
+        if not decision.allowed:
+            self._count(f"rate_limited_{decision.reason}")
+            raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
+        ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout)
+        expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
+        ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
+                               payload=ticket)
+        try:
+            self._enqueue(ticket)
+        except Overloaded:
+            await ticket.finish(0)
+            self._count("overloaded")
+            raise
+        self._count("admitted")
+        return ticket
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        w = ticket.waiter
+        line = self.line
+        if not line.fits(w.reserved_tokens):
+            self._shed_for(w)
+        if not line.fits(w.reserved_tokens):
+            raise Overloaded(f"the service is saturated: the waiting line is full ({line.num_requests} requests, "
+                             f"{line.num_tokens} reserved tokens; limits {line.max_requests} and {line.max_tokens})",
+                             self._retry_after(line.expected_ahead(len(TIERS) - 1)))
+        ahead = line.expected_ahead(w.band)
+        if ahead > 0 or not self._has_room(w.band):
+            rate = self.drain.rate(time.perf_counter())
+            if rate:
+                wait = (ahead + w.expected_tokens) / rate
+                if wait > ticket.timeout:
+                    raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
+                                     f"{ahead + w.expected_tokens:.0f} tokens of work ahead at {rate:.0f} tokens/s) "
+                                     f"is over this request's deadline ({ticket.timeout:g} s)", self._retry_after(ahead))
+        line.push(w)
+        ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
+        self._update_queue_metrics()
+        self.pump()
+
+    def _shed_for(self, w: Waiter) -> None:
+        """Drops the newest waiters of worse bands until w fits (or none is left)."""
+        line = self.line
+        while not line.fits(w.reserved_tokens):
+            victims = [v for v in line.waiters() if v.band > w.band]
+            if not victims:
+                return
+            victim = max(victims, key=lambda v: (v.band, v.seq))
+            line.remove(victim)
+            self._count("shed")
+            victim.payload._fail(Overloaded("the service is saturated: this request was shed from the waiting "
+                                            "line for more important work", self._retry_after(
+                                                line.expected_ahead(victim.band))))
+
+    def _retry_after(self, work_ahead: float) -> int:
+        rate = self.drain.rate(time.perf_counter())
+        if not rate:
+            return 1
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(work_ahead / rate)))
+
+    def _expected_output_tokens(self, reserved_output: int) -> float:
+        ratio = self._expected_output
+        return reserved_output if ratio is None else reserved_output * ratio
+
+    def _observe_output(self, used_tokens: int, reserved_tokens: int) -> None:
+        if reserved_tokens > 0:
+            ratio = min(1.0, used_tokens / reserved_tokens)
+            self._expected_output = ratio if self._expected_output is None else \
+                0.9 * self._expected_output + 0.1 * ratio
+
+    def _expire(self, ticket: Ticket) -> None:
+        if ticket.waiter is not None and self.line.remove(ticket.waiter):
+            self._count("queue_timeout")
+            self._update_queue_metrics()
+            ticket._fail(QueueTimeout(ticket.queue_seconds))
+
+    # ---- dispatch -------------------------------------------------------------------------------------------
+    def _capacity(self, worker: WorkerClient) -> int:
+        hello = worker.hello
+        return (hello.max_num_seqs if hello is not None else 1) + self.options.worker_queue_depth
+
+    def _room_on(self, worker: WorkerClient, band: int) -> bool:
+        assigned = self._assigned.get(worker)
+        return assigned is None or sum(assigned[: band + 1]) < self._capacity(worker)
+
+    def _has_room(self, band: int) -> bool:
+        return any(w.dead is None and self._room_on(w, band) for w in self.router.workers)
+
+    def _pick(self, band: int) -> WorkerClient | None:
+        candidates = [w for w in self.router.workers if w.dead is None and self._room_on(w, band)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: sum(self._assigned.get(w, ())))
+
+    def pump(self) -> None:
+        """Binds waiters to workers while the next in line has room somewhere. The next in line is the best band's:
+        if it has no room, no worse band has either."""
+        moved = False
+        while True:
+            w = self.line.peek()
+            if w is None:
+                break
+            worker = self._pick(w.band)
+            if worker is None:
+                break
+            amount = self.line.pop(w)
+            moved = True
+            ticket: Ticket = w.payload
+            if ticket._timer is not None:
+                ticket._timer.cancel()
+            self._bind(ticket, worker)
+            if self.metrics is not None:
+                self.metrics.tenant_service.labels(w.tenant).inc(amount)
+        if moved:
+            self._update_queue_metrics()
+
+    def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
+        self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
+        self._num_dispatched += 1
+        ticket.worker = worker
+        ticket.dispatched_at = time.perf_counter()
+        ticket.dispatch_seq = self._num_dispatched
+        ticket.dispatched_ahead = self._num_dispatched - 1 - ticket._dispatches_at_admission
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(ticket.dispatched_at - ticket.admitted_at)
+        ticket._future.set_result(worker)
+
+    def _release(self, worker: WorkerClient, band: int) -> None:
+        assigned = self._assigned.get(worker)
+        if assigned is not None:
+            assigned[band] -= 1
+            if not any(assigned):
+                del self._assigned[worker]
+
+    # ---- metrics --------------------------------------------------------------------------------------------
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.admissions.labels(outcome).inc()
+
+    def _update_queue_metrics(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        for band, tier in enumerate(TIERS):
+            m.queue_requests.labels(tier).set(self.line.num_by_band[band])
+        m.queue_tokens.set(self.line.num_tokens)
+        if self.line.num_requests > m.queue_requests_max._value.get():
+            m.queue_requests_max.set(self.line.num_requests)
+        if self.line.num_tokens > m.queue_tokens_max._value.get():
+            m.queue_tokens_max.set(self.line.num_tokens)
+        rate = self.drain.rate(time.perf_counter())
+        m.drain_rate.set(rate or 0.0)

@@ -1,0 +1,187 @@
+"""The waiting line through real servers: fair sharing between tenants (VTC against FCFS), priority with
+preemption on the worker, deadlines (503 queue_timeout, or an SSE error event after keep-alive comments).
+Assertions count dispatch order (the x-inferd-dispatched-ahead header: requests dispatched while this one waited)
+and engine counters, not milliseconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from gw import bearer, completion, make_keys
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def queued(server, tier: str = "standard") -> float:
+    return server.metrics().get(f'inferd_queue_requests{{tier="{tier}"}}', 0.0)
+
+
+class ClosedLoop:
+    """`concurrency` threads that each send the same request again as soon as the last one returned."""
+
+    def __init__(self, server, key: str, prompt, max_tokens: int, concurrency: int, **extra):
+        self.stop = threading.Event()
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self._run, args=(server, key, prompt, max_tokens, extra), daemon=True)
+                        for _ in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, server, key, prompt, max_tokens, extra) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                r = client.post(server.url + "/v1/completions", headers=bearer(key),
+                                json={"prompt": prompt, "max_tokens": max_tokens, **extra})
+                self.statuses.append(r.status_code)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def fair_keys(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    return path, make_keys(path, {"A": {}, "B": {}})
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_light_tenant_is_not_stuck_behind_a_heavy_one(serve, fair_keys, policy):
+    """A keeps 16 long-prompt requests in the line of a worker with one slot; B sends one short request at a time.
+    Under VTC each of B's requests waits for at most 2 dispatches (the one whose service put A's counter past B's,
+    and a tie); under FCFS it waits behind A's whole backlog. (The service bound itself, |W_A - W_B| <= 2U over
+    every interval in which both are backlogged, is checked exactly in test_line.py.)"""
+    path, keys = fair_keys
+    server = serve("--keys", str(path), "--fairness", policy, "--max-num-seqs", "1", "--worker-queue-depth", "0",
+                   name=f"fair-{policy}")
+    heavy = ClosedLoop(server, keys["A"], [11] * 120, 60, concurrency=16)
+    try:
+        server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="standard"}', 0) >= 12)
+        ahead = []
+        for _ in range(5):
+            r = completion(server, keys["B"], [22] * 8, 4)
+            assert r.status_code == 200, r.text
+            ahead.append(int(r.headers["x-inferd-dispatched-ahead"]))
+    finally:
+        heavy.close()
+    assert set(heavy.statuses) == {200}
+    if policy == "vtc":
+        assert max(ahead) <= 2, ahead
+    else:
+        assert min(ahead) >= 8, ahead  # behind A's backlog every time
+
+
+@pytest.fixture(scope="module")
+def tiny_keyed(serve, tmp_path_factory):
+    """A real (tiny) model, two batch slots, no worker queue: the line holds the rest."""
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys = make_keys(path, {"bulk": {"tier": "batch"}, "vip": {"tier": "interactive"}, "std": {}, "std2": {}})
+    server = serve("--keys", str(path), "--max-num-seqs", "2", "--worker-queue-depth", "0", "--sse-keepalive",
+                   "0.05", echo=False, name="tiny-prio")
+    return server, keys
+
+
+def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_keyed):
+    server, keys = tiny_keyed
+    preempted_before = server.metrics().get('inferd_preemptions_total{model="tiny"}', 0.0)
+    bulk = ClosedLoop(server, keys["bulk"], [33] * 8, 200, concurrency=8, ignore_eos=True)
+    try:
+        server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="batch"}', 0) >= 5)
+        vip = completion(server, keys["vip"], [44] * 8, 8, ignore_eos=True)
+        assert vip.status_code == 200, vip.text
+        assert vip.headers["x-inferd-dispatched-ahead"] == "0"  # before every batch request still waiting
+        assert vip.headers["x-inferd-tier"] == "interactive"
+        assert vip.json()["usage"]["completion_tokens"] == 8
+        # the worker was full of batch work: it preempted one for the interactive request
+        server.wait_metrics(lambda m: m['inferd_preemptions_total{model="tiny"}'] >= preempted_before + 1)
+    finally:
+        bulk.close()
+    assert set(bulk.statuses) == {200}  # the preempted request was recomputed and completed
+
+
+@pytest.fixture(scope="module")
+def frozen(serve, tmp_path_factory):
+    """An echo server with one slot whose worker the test can freeze (SIGSTOP): a request bound to it then never
+    finishes, so the next one waits in the line for as long as the test wants. The heartbeat timeout is long so
+    that a frozen worker is not given up."""
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys = make_keys(path, {"busy": {}, "late": {}})
+    server = serve("--keys", str(path), "--max-num-seqs", "1", "--worker-queue-depth", "0", "--sse-keepalive",
+                   "0.05", "--heartbeat-timeout", "120", name="frozen")
+    [worker] = server.worker_pids()
+    return server, keys, worker
+
+
+class Frozen:
+    """The worker stopped, with one request bound to it (sent from a thread, answered after the thaw)."""
+
+    def __init__(self, server, keys, worker):
+        self.server, self.worker = server, worker
+        dispatched = server.metrics().get("inferd_queue_wait_seconds_count", 0.0)
+        os.kill(worker, signal.SIGSTOP)
+        self.result: list[httpx.Response] = []
+        self.thread = threading.Thread(target=lambda: self.result.append(completion(server, keys["busy"], [7], 3)))
+        self.thread.start()
+        server.wait_metrics(lambda m: m.get("inferd_queue_wait_seconds_count", 0) >= dispatched + 1)  # bound
+
+    def thaw(self) -> httpx.Response:
+        os.kill(self.worker, signal.SIGCONT)
+        self.thread.join(timeout=60)
+        return self.result[0]
+
+
+def test_a_request_whose_deadline_passes_in_the_line_gets_503_queue_timeout(frozen):
+    server, keys, worker = frozen
+    before = server.metrics().get('inferd_gateway_admissions_total{outcome="queue_timeout"}', 0.0)
+    hold = Frozen(server, keys, worker)
+    try:
+        r = completion(server, keys["late"], [66] * 4, 4, headers={"x-inferd-queue-timeout": "0.2"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "queue_timeout" and "Retry-After" in r.headers
+
+        # a stream: keep-alive comments while it waits, then the timeout as an SSE error event and [DONE]
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          headers={**bearer(keys["late"]), "x-inferd-queue-timeout": "0.5"},
+                          json={"prompt": [66] * 4, "max_tokens": 4, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [line for line in s.iter_lines() if line]
+    finally:
+        busy = hold.thaw()
+    assert lines[0] == ": keep-alive"
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "queue_timeout"
+    assert not any(line.startswith('data: {"id"') for line in lines)  # no token was ever produced
+    assert server.metrics()['inferd_gateway_admissions_total{outcome="queue_timeout"}'] == before + 2
+    assert busy.status_code == 200 and busy.json()["usage"]["completion_tokens"] == 3
+    # neither timed-out request was charged: the tenant's quota counter saw nothing from them
+    assert server.metrics().get('inferd_tenant_tokens_total{tenant="late"}', 0.0) == 0.0
+
+
+def test_a_waiting_stream_gets_its_tokens_after_keep_alives(frozen):
+    server, keys, worker = frozen
+    hold = Frozen(server, keys, worker)
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, headers=bearer(keys["late"]),
+                          json={"prompt": [66, 67], "max_tokens": 5, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:  # it waits: keep-alives keep coming until the worker thaws
+                    assert lines == [": keep-alive"] * 3
+                    hold.thaw()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
