@@ -200,6 +200,7 @@ class Gateway:
         self._leases = itertools.count(1)
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
+        self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
         router.on_change.append(self.pump)
 
     # ---- admission ------------------------------------------------------------------------------------------
@@ -357,9 +358,9 @@ class Gateway:
         for band, tier in enumerate(TIERS):
             m.queue_requests.labels(tier).set(self.line.num_by_band[band])
         m.queue_tokens.set(self.line.num_tokens)
-        if self.line.num_requests > m.queue_requests_max._value.get():
-            m.queue_requests_max.set(self.line.num_requests)
-        if self.line.num_tokens > m.queue_tokens_max._value.get():
-            m.queue_tokens_max.set(self.line.num_tokens)
+        line = self.line
+        self.high_water = (max(self.high_water[0], line.num_requests), max(self.high_water[1], line.num_tokens))
+        m.queue_requests_max.set(self.high_water[0])
+        m.queue_tokens_max.set(self.high_water[1])
         rate = self.drain.rate(time.perf_counter())
         m.drain_rate.set(rate or 0.0)

@@ -185,3 +185,44 @@ def test_a_waiting_stream_gets_its_tokens_after_keep_alives(frozen):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_at_the_bound_a_more_important_request_sheds_the_newest_worse_one(serve, tmp_path_factory):
+    """A line of 2 holds two batch requests behind a frozen worker; an interactive request sheds the newest of them
+    (503 overloaded with Retry-After), takes its place and, after the thaw, is dispatched before the other."""
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys = make_keys(path, {"busy": {"tier": "interactive"}, "late": {}, "bulk": {"tier": "batch"},
+                            "vip": {"tier": "interactive"}})
+    server = serve("--keys", str(path), "--max-num-seqs", "1", "--worker-queue-depth", "0", "--max-queue-requests",
+                   "2", "--heartbeat-timeout", "120", name="shed")
+    [worker] = server.worker_pids()
+    hold = Frozen(server, keys, worker)  # an interactive request holds the only slot
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, key: str) -> threading.Thread:
+        t = threading.Thread(target=lambda: results.__setitem__(name, completion(server, key, [3, 4], 2)))
+        t.start()
+        return t
+
+    try:
+        threads = [send("bulk1", keys["bulk"])]
+        server.wait_metrics(lambda m: m['inferd_queue_requests{tier="batch"}'] == 1)
+        threads.append(send("bulk2", keys["bulk"]))
+        server.wait_metrics(lambda m: m['inferd_queue_requests{tier="batch"}'] == 2)
+        full = completion(server, keys["bulk"], [3], 1)  # a third of the same tier: the line is full
+        assert full.status_code == 503 and full.json()["error"]["code"] == "overloaded"
+        assert int(full.headers["Retry-After"]) >= 1
+        threads.append(send("vip", keys["vip"]))
+        server.wait_metrics(lambda m: m['inferd_queue_requests{tier="interactive"}'] == 1)
+        shed = threads[1]
+        shed.join(timeout=30)
+        assert results["bulk2"].status_code == 503
+        assert "shed" in results["bulk2"].json()["error"]["message"] and "Retry-After" in results["bulk2"].headers
+    finally:
+        assert hold.thaw().status_code == 200
+    for t in threads:
+        t.join(timeout=60)
+    assert results["vip"].status_code == 200 and results["bulk1"].status_code == 200
+    assert results["vip"].headers["x-inferd-dispatched-ahead"] == "0"
+    assert int(results["vip"].headers["x-inferd-dispatch-seq"]) < int(results["bulk1"].headers["x-inferd-dispatch-seq"])
+    assert server.metrics()['inferd_queue_requests_high_water'] == 2
