@@ -20,6 +20,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .chat_template import SEGMENTS_CACHE_SIZE as _SEGMENTS_CACHE_SIZE
+from .chat_template import TEMPLATE_TEXT_MAX_CHARS as _TEMPLATE_TEXT_MAX_CHARS
+from .chat_template import conversation_shape as _conversation_shape
+from .chat_template import template_traits as _template_traits
 from .loader import generation_config_eos_ids, read_gguf_metadata
 
 __all__ = [
@@ -136,6 +140,32 @@ def _write_cache(target: Path, hf: Any, meta: dict[str, Any], replace: bool = Fa
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _plain_tokenizers_backend(hf: Any) -> bool:
+    """Whether `hf` is a transformers fast tokenizer whose call is transformers' own, a thin layer over the Rust
+    tokenizer (some model classes, e.g. CodeLlama's, override it)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(hf)
+    return (
+        isinstance(hf, TokenizersBackend) and cls.__call__ is PreTrainedTokenizerBase.__call__
+        and all(getattr(cls, name) is getattr(TokenizersBackend, name)
+                for name in ("_encode_plus", "set_truncation_and_padding", "backend_tokenizer"))
+    )
+
+
+def _interleave(
+    template_pieces: Sequence[str], content_ids: Sequence[int], contents: list[str]
+) -> list[tuple[str, bool]]:
+    """[(T0, False), (contents[k1], True), (T1, False), ...]: a sentinel render with the contents put back."""
+    segments: list[tuple[str, bool]] = [(template_pieces[0], False)]
+    for k, t in zip(content_ids, template_pieces[1:]):
+        segments += [(contents[k], True), (t, False)]
+    return segments
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # the tokenizer
 
@@ -159,6 +189,21 @@ class Tokenizer:
         self._special_ids = {i for i, _ in self._special_tokens.values()}
         contents = sorted(self._special_tokens, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, contents))) if contents else None
+        # Message contents are replaced by "inferd<nonce>s<k>e" sentinels to render a chat template without them
+        # (see _render_segments). One nonce per Tokenizer, drawn at random (64 bits) when the process loads it, lets
+        # the split regex be compiled once instead of per request, and is as safe as one per request: what keeps
+        # sentinels unambiguous is that a conversation containing the nonce (in any field) never uses it, but gets
+        # a one-off nonce, exactly as a per-request nonce was redrawn; so knowing the nonce (a template that mangles
+        # sentinels, like `| upper`, can print it) gains a client nothing but that slower path.
+        self._nonce = secrets.token_hex(8)
+        self._sentinel_re = re.compile(f"inferd{self._nonce}s(\\d+)e")
+        # template variables HF passes to every render besides messages & co (bos_token, eos_token, ...)
+        self._template_variables = frozenset(hf.special_tokens_map)
+        # (template, add_generation_prompt, messages less their contents) -> (template pieces, content order); only
+        # for templates proven to place contents verbatim and to render deterministically (_template_traits)
+        self._segments_cache: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[int, ...]]] = {}
+        self._distrusted_templates: set[str] = set()
+        self._direct_encoding = _plain_tokenizers_backend(hf)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
@@ -197,7 +242,7 @@ class Tokenizer:
                 "use the completions API (raw prompt) or pass chat_template="
             )
         segments = self._render_segments(messages, add_generation_prompt, kwargs)
-        full = "".join(text for text, _ in segments)
+        full = "".join([text for text, _ in segments])
         spans: list[tuple[int, int]] = []
         pos = 0
         for text, is_content in segments:
@@ -208,20 +253,37 @@ class Tokenizer:
         if getattr(self.hf, "is_fast", False):
             # Usual case: tokenize the whole string like HF does (exact parity, including across template/content
             # boundaries), then check that no special token came from message content.
-            with self._lock:
-                enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=False)
-            ids = list(enc["input_ids"])
-            starts = [s for s, _ in spans]
-            injected = False
-            for token_id, (s, e) in zip(ids, enc["offset_mapping"]):
-                if token_id in self._special_ids:
+            ids, offsets = self._encode_with_offsets(full)
+            special_ids = self._special_ids
+            if spans:
+                starts = [s for s, _ in spans]
+                for i in [i for i, token_id in enumerate(ids) if token_id in special_ids]:
+                    s, e = offsets[i]
                     k = bisect.bisect_right(starts, s) - 1  # last content span starting at or before s
                     if (k >= 0 and s < spans[k][1]) or (k + 1 < len(spans) and spans[k + 1][0] < e):
-                        injected = True
-                        break
-            if not injected:
-                return ids
+                        return self._encode_segments(segments)  # content would inject a special token
+            return ids
         return self._encode_segments(segments)
+
+    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and character offsets of `text`, special tokens parsed, none added: what
+        ``hf(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=False)`` returns, from
+        the Rust tokenizer directly (that call costs as much again in Python). Fast tokenizers only."""
+        if not self._direct_encoding:
+            with self._lock:
+                enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=False)
+            return list(enc["input_ids"]), enc["offset_mapping"]
+        backend = self.hf.backend_tokenizer
+        with self._lock:
+            # the settings transformers makes before every call (it leaves them set after, for the next call to reset)
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
+            if backend.encode_special_tokens:
+                backend.encode_special_tokens = False
+            enc = backend.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         return self.hf.apply_chat_template(
@@ -235,11 +297,36 @@ class Tokenizer:
 
         Renders once with every message content replaced by a unique alphanumeric sentinel (so the template's own
         text is known exactly) and once with the real contents (so template filters like ``| trim`` are honoured).
+
+        Fewer renders when `_template_traits` proves that the template only ever prints contents verbatim, without
+        otherwise looking at them (ChatML templates like SmolLM2's and Qwen2's; not Llama 3's ``| trim``): then the
+        real render is always the sentinel render with the contents put back, so it is not made. If the template also
+        renders deterministically, the split sentinel render depends only on the conversation's shape (the messages
+        less their contents, add_generation_prompt), so it is cached per shape and a conversation of a known shape is
+        not rendered at all. A shape is cached after both renders agreed on it (as they must); if they ever disagree,
+        the proof was wrong and the template is rendered twice from then on.
         """
+        opaque = cacheable = False
+        if kwargs.keys() <= {"chat_template"}:  # no tools, documents, continue_final_message, template variables
+            template = self.hf.get_chat_template(kwargs.get("chat_template"))
+            if template not in self._distrusted_templates:
+                opaque, deterministic = _template_traits(template, self._template_variables)
+                cacheable = opaque and deterministic
+        key = None
+        if cacheable and type(add_generation_prompt) is bool:
+            shape = _conversation_shape(messages)
+            if shape is not None:
+                key = (template, add_generation_prompt, shape)
+                hit = self._segments_cache.get(key)
+                if hit is not None:  # every content is a str (in the shape's message order)
+                    return _interleave(hit[0], hit[1], [m["content"] for m in messages if "content" in m])
+
         contents: list[str] = []
-        nonce = secrets.token_hex(8)
-        while any(nonce in str(m) for m in messages):  # practically never
-            nonce = secrets.token_hex(8)
+        nonce, sentinel_re = self._nonce, self._sentinel_re
+        if any(nonce in str(m) for m in messages):  # the conversation contains the nonce: use a one-off one
+            while any(nonce in str(m) for m in messages):
+                nonce = secrets.token_hex(8)
+            sentinel_re = re.compile(f"inferd{nonce}s(\\d+)e")
 
         def sentinel(text: str) -> str:
             contents.append(text)
@@ -252,6 +339,7 @@ class Tokenizer:
             if isinstance(content, str):
                 m["content"] = sentinel(content)
             elif isinstance(content, list):  # OpenAI-style parts
+                opaque = False  # proven for string contents only
                 parts = []
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
@@ -261,16 +349,28 @@ class Tokenizer:
             masked.append(m)
 
         rendered_masked = self._render(masked, add_generation_prompt, kwargs)
-        pieces = re.split(f"inferd{nonce}s(\\d+)e", rendered_masked)  # [T0, k1, T1, k2, ..., Tn]
+        pieces = sentinel_re.split(rendered_masked)  # [T0, k1, T1, k2, ..., Tn]
         template_pieces = pieces[0::2]
         content_ids = [int(k) for k in pieces[1::2]]
 
-        plain: list[tuple[str, bool]] = [(template_pieces[0], False)]
-        for k, t in zip(content_ids, template_pieces[1:]):
-            plain += [(contents[k], True), (t, False)]
-        rendered = self._render(messages, add_generation_prompt, kwargs)
-        if "".join(text for text, _ in plain) == rendered:
+        plain = _interleave(template_pieces, content_ids, contents)
+        if len(rendered_masked) > _TEMPLATE_TEXT_MAX_CHARS:
+            key = None  # too long to cache
+        if opaque and key is None:
             return plain
+        rendered = self._render(messages, add_generation_prompt, kwargs)
+        if "".join([text for text, _ in plain]) == rendered:
+            if key is not None:
+                if len(self._segments_cache) >= _SEGMENTS_CACHE_SIZE:
+                    try:  # forget the oldest shape
+                        del self._segments_cache[next(iter(self._segments_cache))]
+                    except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                        pass
+                self._segments_cache[key] = (tuple(template_pieces), tuple(content_ids))
+            return plain
+        if opaque:  # cannot happen if _template_traits is right; if it is not, stop trusting it for this template
+            logger.warning("chat template analysis failed: a template renders contents differently; not caching")
+            self._distrusted_templates.add(template)
 
         # The template transforms contents (e.g. Llama 3's `content | trim`): find each one's rendered form.
         segments: list[tuple[str, bool]] = [(template_pieces[0], False)]

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest

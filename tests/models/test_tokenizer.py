@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from inferd.models import chat_template
 from inferd.models import tokenizer as tokmod
 from inferd.models.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_tokenizer_cache_path, load_tokenizer
 
@@ -302,3 +303,227 @@ def test_detokenizer_window_restores_spaces_of_sentencepiece_style_decoders():
     # without prompt context the result is exactly decode(gen)
     assert _stream(tok, [], gen, [1, 1, 1]) == ["quick", " brown", " fox", ""]
     assert "".join(_stream(tok, [], gen, [2, 1])) == tok.decode(gen) == "quick brown fox"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# chat template: fewer renders (proven content-opaque templates, shape cache), one nonce per tokenizer
+
+
+@pytest.fixture
+def fresh_tokenizer(smollm2_tokenizer):
+    """A Tokenizer of its own (empty shape cache) around the session's HF tokenizer."""
+    return Tokenizer(smollm2_tokenizer.hf, smollm2_tokenizer.eos_token_ids, smollm2_tokenizer.name_or_path)
+
+
+def _count_renders(tok: Tokenizer, monkeypatch) -> list[int]:
+    calls = [0]
+    real = tok._render
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "_render", counting)
+    return calls
+
+
+NAMES_TEMPLATE = (  # opaque too: contents only ever printed verbatim (`~` is string concatenation)
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name is defined %} ({{ m.name }}){% endif %}\n"
+    "{{ m.content ~ '<|im_end|>' }}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+NOT_OPAQUE = {  # templates that look at, transform or capture a content, or reach it in ways the proof rejects
+    "trim": TRIM_TEMPLATE,
+    "if": "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}",
+    "length": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
+    "get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "items": "{% for m in messages %}{% for k, v in m.items() %}{{ v }}{% endfor %}{% endfor %}",
+    "method by key": "{% for m in messages %}{{ m['values']() }}{% endfor %}",
+    "previtem": "{% for m in messages %}{{ m.content }}{{ loop.previtem | tojson }}{% endfor %}",
+    "tojson": "{{ messages | tojson }}",
+    "set block": "{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x | upper }}{% endfor %}",
+    "filter block": "{% for m in messages %}{% filter upper %}{{ m.content }}{% endfilter %}{% endfor %}",
+    "macro": "{% macro f(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ f(m) }}{% endfor %}",
+    "autoescape": "{% autoescape true %}{% for m in messages %}{{ m.content }}{% endfor %}{% endautoescape %}",
+    "markup": "{% for m in messages %}{{ m.content + ('<b>' | safe) }}{% endfor %}",
+    "rebound": "{% for m in messages %}{{ m.content }}{% endfor %}{% set m = {'content': 'x'} %}{{ m.content }}",
+    "slice": "{% for m in messages[1:] %}{{ m.content }}{% endfor %}",
+    "namespace": "{% set ns = namespace(x='') %}{% for m in messages %}{% set ns.x = m.content %}{% endfor %}"
+                 "{{ ns.x }}",
+    "recursive": "{% for m in messages recursive %}{{ m.content }}{% endfor %}",
+    "generation": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "syntax error": "{% for m in messages %}{{ m.content }}",
+}
+
+
+def test_template_traits(smollm2_tokenizer):
+    variables = smollm2_tokenizer._template_variables
+    assert tokmod._template_traits(smollm2_tokenizer.chat_template, variables) == (True, True)
+    assert tokmod._template_traits(NAMES_TEMPLATE, variables) == (True, True)
+    two = ("{{ messages[0]['content'] }}{{ messages | length }}"
+           "{% for m in messages %}{{ eos_token + m.content }}{% endfor %}")
+    assert tokmod._template_traits(two, variables) == (True, True)
+    for name, template in NOT_OPAQUE.items():
+        assert not tokmod._template_traits(template, variables)[0], name
+    # opaque, but possibly different at each render: never cached
+    for impure in ["{{ strftime_now('%Y') }}", "{{ [1, 2] | random }}", "{{ lipsum(1) }}", "{{ some_global }}"]:
+        assert tokmod._template_traits(impure + "{% for m in messages %}{{ m.content }}{% endfor %}") == (True, False)
+
+
+def test_chat_template_shape_cache(fresh_tokenizer, monkeypatch):
+    """SmolLM2's template is proven opaque: a new conversation shape is rendered twice (old algorithm, checked), a
+    known one not at all, a non-cacheable one once; all give HF's tokens."""
+    tok = fresh_tokenizer
+    renders = _count_renders(tok, monkeypatch)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    second = [{"role": "system", "content": "  Be long. 🌍"}, {"role": "user", "content": ""}]  # same shape
+    assert tok.apply_chat_template(first) == _hf_ids(tok, first) and renders[0] == 2
+    assert len(tok._segments_cache) == 1
+    assert tok.apply_chat_template(second) == _hf_ids(tok, second) and renders[0] == 2  # a cache hit
+    assert tok.apply_chat_template(second, add_generation_prompt=False) == _hf_ids(tok, second, False)
+    assert renders[0] == 4 and len(tok._segments_cache) == 2  # add_generation_prompt is part of the shape
+    named = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "bob"}]
+    assert tok.apply_chat_template(named) == _hf_ids(tok, named) and renders[0] == 6  # names too
+    # not cacheable: a non-bool add_generation_prompt, a non-str field: the sentinel render only
+    assert tok.apply_chat_template(first, add_generation_prompt=1) == _hf_ids(tok, first) and renders[0] == 7
+    odd = [{"role": "user", "content": "Hi", "name": None}]
+    assert tok.apply_chat_template(odd) == _hf_ids(tok, odd) and renders[0] == 8
+    # a template that transforms contents: always both renders, never cached
+    for _ in range(2):
+        padded = [{"role": "user", "content": "  padded  "}]
+        assert tok.apply_chat_template(padded, chat_template=TRIM_TEMPLATE) == _hf_ids(
+            tok, padded, chat_template=TRIM_TEMPLATE)
+    assert renders[0] == 12 and len(tok._segments_cache) == 3
+    # template variables besides chat_template: both renders (HF may treat contents specially: continue_final_message)
+    assert tok.apply_chat_template(first, custom_variable=1) == _hf_ids(tok, first, custom_variable=1)
+    assert renders[0] == 14
+
+
+@pytest.mark.parametrize("text", INJECTIONS)
+def test_chat_template_cached_and_single_render_paths_keep_special_text_as_text(fresh_tokenizer, monkeypatch, text):
+    tok = fresh_tokenizer
+    special_ids = {i for i, t in tok.hf.added_tokens_decoder.items() if t.special}
+    renders = _count_renders(tok, monkeypatch)
+    benign = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "placeholder"}]
+    evil = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": text}]
+    expected_special = [i for i in _hf_ids(tok, benign) if i in special_ids]
+    rendered = tok.hf.apply_chat_template(evil, tokenize=False, add_generation_prompt=True)
+    results = [tok.apply_chat_template(benign), tok.apply_chat_template(evil),  # a miss, then a hit
+               tok.apply_chat_template(evil, add_generation_prompt=1)]  # one render
+    assert renders[0] == 3
+    for ours in results[1:]:
+        assert [i for i in ours if i in special_ids] == expected_special
+        assert tok.decode(ours, skip_special_tokens=False) == rendered
+
+
+def test_chat_template_fast_paths_agree_with_two_renders(fresh_tokenizer, monkeypatch):
+    """Random conversations (special-token text, unicode, blanks, names) give the same ids through the shape cache
+    (miss and hit), the single render and the old two renders."""
+    tok = fresh_tokenizer
+    rng = random.Random(99)
+    words = ["hi", " ", "\n", "  ", "café", "🌍", "你好", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "s0e",
+             "inferd", tok._nonce, "{{ x }}", "|>", "12"]
+    conversations = []
+    for _ in range(60):
+        messages = []
+        for i in range(rng.randrange(1, 6)):
+            role = rng.choice(["system", "user", "assistant"]) if i == 0 else ["user", "assistant"][i % 2]
+            message = {"role": role, "content": "".join(rng.choice(words) for _ in range(rng.randrange(0, 6)))}
+            if rng.random() < 0.2:
+                message["name"] = rng.choice(["bob", "<|im_start|>x", f"inferd{tok._nonce}s0e"])
+            messages.append(message)
+        conversations.append(messages)
+    for template in (None, NAMES_TEMPLATE):
+        kwargs = {} if template is None else {"chat_template": template}
+        for agp in (True, False):
+            fast = [tok.apply_chat_template(m, agp, **kwargs) for m in conversations * 2]
+            single = [tok.apply_chat_template(m, int(agp), **kwargs) for m in conversations]
+            with monkeypatch.context() as patch:  # no proof: the two renders of old
+                patch.setattr(tokmod, "_template_traits", lambda *args: (False, False))
+                slow = [tok.apply_chat_template(m, agp, **kwargs) for m in conversations]
+            assert fast == slow * 2 and single == slow
+
+
+def test_chat_template_distrusts_a_wrong_proof(fresh_tokenizer, monkeypatch, caplog):
+    """If the proof ever called a transforming template opaque, the check on a cache miss catches it: the result is
+    still right, and the template is rendered twice from then on."""
+    tok = fresh_tokenizer
+    monkeypatch.setattr(tokmod, "_template_traits", lambda *args: (True, True))
+    renders = _count_renders(tok, monkeypatch)
+    padded = [{"role": "user", "content": "  padded  "}]
+    for _ in range(2):
+        assert tok.apply_chat_template(padded, chat_template=TRIM_TEMPLATE) == _hf_ids(
+            tok, padded, chat_template=TRIM_TEMPLATE)
+    assert "analysis failed" in caplog.text
+    assert renders[0] == 4 and not tok._segments_cache and TRIM_TEMPLATE in tok._distrusted_templates
+
+
+def test_chat_template_nonce_per_tokenizer_and_one_off_nonces(fresh_tokenizer, smollm2_tokenizer, monkeypatch):
+    tok = fresh_tokenizer
+    assert tok._nonce != smollm2_tokenizer._nonce and len(tok._nonce) == 16
+    compiled = []  # sentinel regexes compiled
+    real_compile = tokmod.re.compile
+
+    def spy(pattern, *args, **kwargs):
+        if isinstance(pattern, str) and pattern.startswith("inferd"):
+            compiled.append(pattern)
+        return real_compile(pattern, *args, **kwargs)
+
+    monkeypatch.setattr(tokmod.re, "compile", spy)
+    chat = [{"role": "user", "content": "Hi"}]
+    tok.apply_chat_template(chat, add_generation_prompt=1)  # a sentinel render, no regex compiled
+    assert not compiled
+    # a conversation that contains the nonce (in a content or a name) gets a one-off nonce, and is rendered right
+    for messages in ([{"role": "user", "content": f"x inferd{tok._nonce}s0e <|im_start|>"}],
+                     [{"role": "user", "content": "<|im_end|>", "name": f"inferd{tok._nonce}s0e"}]):
+        ours = tok.apply_chat_template(messages, add_generation_prompt=1, chat_template=NAMES_TEMPLATE)
+        rendered = tok.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              chat_template=NAMES_TEMPLATE)
+        assert tok.decode(ours, skip_special_tokens=False) == rendered
+        assert ours.count(IM_START) == 2 and ours.count(IM_END) == 1
+    assert len(compiled) == 2
+
+
+def test_chat_template_encoding_ignores_leftover_backend_settings(fresh_tokenizer):
+    """The Rust tokenizer is called directly: settings other calls leave on it (split special tokens, truncation,
+    padding) must not apply, just as transformers resets them before each call."""
+    tok = fresh_tokenizer
+    chat = CONVERSATIONS[2]
+    expected = _hf_ids(tok, chat)
+    backend = tok.hf.backend_tokenizer
+    tok.encode("<|im_start|>")  # leaves encode_special_tokens on
+    assert backend.encode_special_tokens
+    assert tok.apply_chat_template(chat) == expected
+    try:
+        backend.enable_truncation(8)
+        backend.enable_padding(length=200)
+        assert tok.apply_chat_template(chat) == expected
+    finally:
+        backend.no_truncation()
+        backend.no_padding()
+
+
+def test_chat_template_encoding_through_transformers_call_agrees(fresh_tokenizer, monkeypatch):
+    """Tokenizers whose transformers class overrides its call are tokenized through that call: same ids."""
+    tok = fresh_tokenizer
+    assert tok._direct_encoding  # SmolLM2's is transformers' own TokenizersBackend
+    chats = CONVERSATIONS + [[{"role": "user", "content": text}] for text in INJECTIONS]
+    direct = [tok.apply_chat_template(chat) for chat in chats]
+    monkeypatch.setattr(tok, "_direct_encoding", False)
+    assert [tok.apply_chat_template(chat) for chat in chats] == direct
+    assert direct[:len(CONVERSATIONS)] == [_hf_ids(tok, chat) for chat in CONVERSATIONS]
+
+
+def test_chat_template_shape_cache_is_bounded(fresh_tokenizer, monkeypatch):
+    tok = fresh_tokenizer
+    renders = _count_renders(tok, monkeypatch)
+    long_name = [{"role": "user", "content": "Hi", "name": "n" * (chat_template.SHAPE_MAX_CHARS + 1)}]
+    many = [{"role": ["user", "assistant"][i % 2], "content": str(i)}
+            for i in range(tokmod._TEMPLATE_TEXT_MAX_CHARS // 20)]
+    for messages in (long_name, many):  # not cached, rendered once (the template is proven opaque)
+        assert tok.apply_chat_template(messages) == tok.apply_chat_template(messages) == _hf_ids(tok, messages)
+    assert renders[0] == 4 and not tok._segments_cache
+    monkeypatch.setattr(tokmod, "_SEGMENTS_CACHE_SIZE", 3)
+    for i in range(5):
+        tok.apply_chat_template([{"role": "user", "content": "Hi", "name": f"user{i}"}])
+    assert [shape[-1][0][-1][1] for shape in tok._segments_cache] == ["user2", "user3", "user4"]  # the newest
