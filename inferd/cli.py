@@ -186,7 +186,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help=f"seconds over which RPM/TPM buckets refill (default {DEFAULT_RATE_WINDOW_S:g})")
     g.add_argument("--queue-timeout", type=parse_queue_timeout, default=dict(DEFAULT_QUEUE_TIMEOUT_S),
                    metavar="SECONDS|TIER=SECONDS,...", help="how long a request may wait for a worker (default "
-                   + ",".join(f"{t}={v:g}" for t, v in DEFAULT_QUEUE_TIMEOUT_S.items()) + f"; header "
+                   + ",".join(f"{t}={v:g}" for t, v in DEFAULT_QUEUE_TIMEOUT_S.items()) + "; header "
                    "x-inferd-queue-timeout per request)")
     g.add_argument("--max-queue-requests", type=int, default=DEFAULT_MAX_QUEUE_REQUESTS,
                    help=f"requests in the waiting line (default {DEFAULT_MAX_QUEUE_REQUESTS})")
