@@ -33,7 +33,7 @@ from .line import WaitingLine, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
 
-DRAIN_WINDOW_S = 30.0  # the drain rate is measured over the completions of this recent window
+DRAIN_WINDOW_S = 30.0  # the drain rate is measured over this recent window (of busy time)
 MAX_RETRY_AFTER_S = 120  # a Retry-After computed from the drain rate is capped here
 
 
@@ -85,27 +85,42 @@ class GatewayOptions:
 
 
 class DrainRate:
-    """Tokens of finished requests per second over the recent window; None until there is something to go on."""
+    """Tokens the workers get through per second of BUSY time (some request bound to a worker), over the recent
+    window: prompt tokens when a request's first output arrives, generated tokens as they arrive. Idle time does not
+    count, so after a quiet spell the rate is the service's capacity at once, not its recent (low) demand; a new busy
+    period starts afresh. None while there is nothing to go on (idle, or under half a second of busy time)."""
 
     def __init__(self, window: float = DRAIN_WINDOW_S):
         self.window = window
         self._events: deque[tuple[float, int]] = deque()
         self._total = 0
-        self._started: float | None = None
+        self._busy_since: float | None = None
+
+    def busy(self, now: float) -> None:
+        """Work was bound to a worker while none was: a busy period starts (earlier events no longer count)."""
+        if self._busy_since is None:
+            self._busy_since = now
+            self._events.clear()
+            self._total = 0
+
+    def idle(self) -> None:
+        self._busy_since = None
 
     def record(self, now: float, tokens: int) -> None:
-        if self._started is None:
-            self._started = now
-        self._events.append((now, tokens))
-        self._total += tokens
+        if tokens > 0:
+            self._events.append((now, tokens))
+            self._total += tokens
 
     def rate(self, now: float) -> float | None:
-        while self._events and self._events[0][0] < now - self.window:
-            self._total -= self._events.popleft()[1]
-        if self._started is None or len(self._events) < 3:
+        if self._busy_since is None:
             return None
-        span = min(self.window, now - self._started)
-        return self._total / span if span >= 0.5 else None
+        start = max(now - self.window, self._busy_since)
+        while self._events and self._events[0][0] < start:
+            self._total -= self._events.popleft()[1]
+        span = now - start
+        if span < 0.5 or len(self._events) < 3:
+            return None
+        return self._total / span
 
 
 class Ticket:
@@ -131,6 +146,7 @@ class Ticket:
         self._timer: asyncio.TimerHandle | None = None
         self._finished = False
         self.streaming = False  # the HTTP layer's: an SSE body has taken the ticket over (and finishes it)
+        self._drained_prompt = False
 
     @property
     def waiting(self) -> bool:
@@ -153,9 +169,15 @@ class Ticket:
             self._future.exception()  # retrieved here: the request may already be gone
 
     def on_output(self, num_tokens: int) -> None:
-        """Generated tokens arrived: charged to the tenant's fair-share counter."""
+        """Generated tokens arrived: charged to the tenant's fair-share counter, and counted as drained work (with
+        the prompt, at the first output)."""
         if num_tokens:
             g = self.gateway
+            drained = num_tokens
+            if not self._drained_prompt:
+                self._drained_prompt = True
+                drained += self.waiter.prompt_tokens if self.waiter is not None else 0
+            g.drain.record(time.perf_counter(), drained)
             amount = g.line.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
@@ -176,7 +198,6 @@ class Ticket:
             self._future.cancel()
         if dispatched:
             g._release(self.worker, self.band)
-            g.drain.record(time.perf_counter(), used_tokens)
             g._observe_output(used_tokens, self.reserved_tokens)
         used = used_tokens if dispatched else 0
         if g.metrics is not None:
@@ -202,6 +223,8 @@ class Gateway:
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
         self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
         router.on_change.append(self.pump)
+        if metrics is not None:  # read at scrape time: never stale
+            metrics.drain_rate.set_function(lambda: self.drain.rate(time.perf_counter()) or 0.0)
 
     # ---- admission ------------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
@@ -329,6 +352,8 @@ class Gateway:
             self._update_queue_metrics()
 
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
+        if not self._assigned:
+            self.drain.busy(time.perf_counter())
         self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
         self._num_dispatched += 1
         ticket.worker = worker
@@ -345,6 +370,8 @@ class Gateway:
             assigned[band] -= 1
             if not any(assigned):
                 del self._assigned[worker]
+                if not self._assigned:
+                    self.drain.idle()
 
     # ---- metrics --------------------------------------------------------------------------------------------
     def _count(self, outcome: str) -> None:
@@ -362,5 +389,3 @@ class Gateway:
         self.high_water = (max(self.high_water[0], line.num_requests), max(self.high_water[1], line.num_tokens))
         m.queue_requests_max.set(self.high_water[0])
         m.queue_tokens_max.set(self.high_water[1])
-        rate = self.drain.rate(time.perf_counter())
-        m.drain_rate.set(rate or 0.0)
