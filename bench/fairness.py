@@ -19,11 +19,10 @@ Server settings that make the gateway's line, not the engine, decide the order: 
 first phase (start-up is the slow part); the idle one only sends heartbeats.
 
 A is warmed up before B starts: until the line holds most of A's backlog and for at least --a-warmup seconds (30,
-the window over which the gateway measures its drain rate). The gateway refuses a request (503 overloaded) when its
-estimated wait, work ahead / drain rate, is over its deadline, and the drain rate is measured from completed work
-over the last 30 s, so for up to 30 s after the load rises it is the rate of the lighter load before (B alone, or
-nothing): A's first requests are refused although the line would drain in time. The warm-up keeps that transient
-out of the window; A's answers during the warm-up are reported on their own row, with the first refusals' messages.
+the window over which the gateway measures its drain rate), so that B meets a steady state. (The first version of
+the gateway measured its drain rate over wall time, idle included, and refused A's first requests with 503 after a
+quiet spell; it now counts busy time only. A's answers during the warm-up are still reported on their own row, with
+the first refusals' messages, should that ever come back.)
 
 What is measured, per phase, over the window from B's first request to B's last answer:
   - B's TTFT, client-side: sending the request to the first SSE chunk that carries a token.
