@@ -13,7 +13,7 @@ import torch
 from ..config import EngineConfig, resolve_dtype
 from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
-from .request import FinishReason, InvalidRequestError, Request, SamplingParams
+from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
 from .scheduler import Scheduler
@@ -85,27 +85,8 @@ class Engine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
                  ) -> None:
         """Raises InvalidRequestError for a request that must never be scheduled."""
-        params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        # min_tokens indexes the logits with the stop ids: one out of range would fail the whole step
-        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"stop token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        if not 0 < orig <= len(prompt_token_ids):
-            raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")
-        if len(prompt_token_ids) - orig >= params.max_tokens:
-            raise InvalidRequestError("a replayed request already has max_tokens output tokens")
-        total = orig + params.max_tokens
-        if orig >= self.max_model_len or total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's context window is {self.max_model_len} tokens; the request needs {total} "
-                f"({orig} in the prompt, {params.max_tokens} in the completion)")
+        total = validate_request(prompt_token_ids, params, num_prompt_tokens, self.model_config.vocab_size,
+                                 self.max_model_len)
         need = self.kv_cache.blocks_needed(total)
         if need > self.kv_cache.num_blocks:
             raise InvalidRequestError(

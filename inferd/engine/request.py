@@ -125,3 +125,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None,
+                     vocab_size: int, max_model_len: int) -> int:
+    """The checks every engine makes before it takes a request (InvalidRequestError); returns the tokens it may
+    reach (original prompt + max_tokens)."""
+    params.validate()
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    # min_tokens indexes the logits with the stop ids: one out of range would fail the whole step
+    for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids)):
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"{name} token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+    if not 0 < orig <= len(prompt_token_ids):
+        raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")
+    if len(prompt_token_ids) - orig >= params.max_tokens:
+        raise InvalidRequestError("a replayed request already has max_tokens output tokens")
+    total = orig + params.max_tokens
+    if orig >= max_model_len or total > max_model_len:
+        raise InvalidRequestError(
+            f"this model's context window is {max_model_len} tokens; the request needs {total} "
+            f"({orig} in the prompt, {params.max_tokens} in the completion)")
+    return total

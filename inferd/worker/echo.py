@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, EngineConfig
 from ..engine.engine import RequestOutput, StepStats
 from ..engine.kv_cache import PrefixCacheStats
-from ..engine.request import FinishReason, InvalidRequestError, SamplingParams
+from ..engine.request import FinishReason, InvalidRequestError, SamplingParams, validate_request
 from ..engine.sampler import TokenLogprob
 from ..models.config import ModelConfig
 
@@ -107,24 +107,8 @@ class EchoEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
                  ) -> None:
         """The Engine's checks (same messages), less the KV pool's, which the nominal pool always passes."""
-        params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids)):
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-            if bad:
-                raise InvalidRequestError(f"{name} token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        if not 0 < orig <= len(prompt_token_ids):
-            raise InvalidRequestError(f"num_prompt_tokens={orig} must be in [1, {len(prompt_token_ids)}]")
-        if len(prompt_token_ids) - orig >= params.max_tokens:
-            raise InvalidRequestError("a replayed request already has max_tokens output tokens")
-        total = orig + params.max_tokens
-        if orig >= self.max_model_len or total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's context window is {self.max_model_len} tokens; the request needs {total} "
-                f"({orig} in the prompt, {params.max_tokens} in the completion)")
+        validate_request(prompt_token_ids, params, num_prompt_tokens, self.model_config.vocab_size,
+                         self.max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, num_prompt_tokens: int | None = None) -> str:
