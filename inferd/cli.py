@@ -15,6 +15,9 @@ import time
 # after arming PR_SET_PDEATHSIG, to notice a parent that died in between.
 _PARENT_PID_AT_START = os.getppid()
 
+from .config import (DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS, DEFAULT_MODEL_VERSION,
+                     DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_SHUTDOWN_GRACE_S,
+                     DEFAULT_WARM_LEAD_S)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
                      DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
@@ -45,13 +48,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="token budget of one step")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split each layer over N processes (devices); N must divide the heads, KV heads and MLP size")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel)
 
 
 def _stream(engine, request_id: str, out=sys.stdout) -> None:
@@ -143,27 +148,69 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .api.server import ServeOptions, default_served_name, run_server
     from .models.loader import default_model_path
 
     model_path = os.path.abspath(args.model) if args.model else default_model_path()
     if not os.path.exists(model_path):
         print(f"error: model path {model_path} does not exist", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print("error: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.autoscale and args.worker_capacity is None:
+        print("error: --autoscale needs --worker-capacity (tokens/s one worker sustains)", file=sys.stderr)
+        return 2
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // args.workers)
+    extra = ["--threads", str(threads), "--shutdown-grace", str(args.shutdown_grace)]
+    return _run_server(args, model_path, worker_args=worker_args(args, model_path) + extra, workers=args.workers)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from .cluster.remote import parse_address
+    from .models.loader import default_model_path
+
+    if not args.worker and args.redis is None:
+        print("error: give the workers: --worker HOST:PORT (repeatable) or --redis URL (registered workers)",
+              file=sys.stderr)
+        return 2
+    try:
+        for address in args.worker:
+            parse_address(address)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model_path = os.path.abspath(args.model) if args.model else default_model_path()
+    if not os.path.exists(model_path):
+        print(f"error: model path {model_path} does not exist", file=sys.stderr)
+        return 2
+    return _run_server(args, model_path, worker_args=[], remote_workers=args.worker,
+                       registry_url=args.redis)
+
+
+def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
+    from .api.server import ServeOptions, default_served_name, run_server
+
     api_key = args.api_key if args.api_key is not None else os.environ.get("INFERD_API_KEY") or None
+    admin_key = args.admin_key if args.admin_key is not None else os.environ.get("INFERD_ADMIN_KEY") or None
     if api_key is None and args.keys is None and not is_loopback(args.host):
         print(f"error: refusing to serve on {args.host} without API keys: anyone who can reach it could use it. "
               "Give --keys FILE (inferd keys create) or --api-key, or bind to a loopback address.", file=sys.stderr)
         return 2
+    try:
+        autoscale = autoscaler_config(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     opts = ServeOptions(host=args.host, port=args.port, model_path=model_path,
                         served_model_name=args.served_model_name or default_served_name(model_path),
-                        worker_args=worker_args(args, model_path), api_key=api_key,
+                        api_key=api_key, admin_key=admin_key,
                         max_body_bytes=args.max_body_bytes, heartbeat_timeout=args.heartbeat_timeout,
                         shutdown_grace=args.shutdown_grace, log_level=args.log_level, keys_path=args.keys,
                         redis_url=args.redis, rate_window=args.rate_window, queue_timeout=args.queue_timeout,
                         max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
                         fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
-                        sse_keepalive=args.sse_keepalive)
+                        sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
+                        autoscale_local=getattr(args, "autoscale", False), **backend)
     return run_server(opts)
 
 
@@ -174,6 +221,54 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's options, shared by serve and gateway."""
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
+                   "default: $INFERD_API_KEY, else no key")
+    p.add_argument("--admin-key", default=None, help="the admin API's key (rollouts, /admin/workers); "
+                   "default: $INFERD_ADMIN_KEY, else the admin API is off")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_REQUEST_BODY_BYTES,
+                   help="largest request body accepted (413 beyond; default 8M)")
+    p.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
+                   help=f"seconds between the workers' heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})")
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT,
+                   help=f"silence after which a worker is given up (default {DEFAULT_HEARTBEAT_TIMEOUT} s)")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="SIGTERM, a retired worker: seconds running streams get to finish before they move "
+                   f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    p.add_argument("--replay-timeout", type=_positive, default=DEFAULT_REPLAY_TIMEOUT_S,
+                   help="a stream whose worker was lost waits this long for another one, then ends with "
+                   f"`worker_lost` (default {DEFAULT_REPLAY_TIMEOUT_S:g} s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a = p.add_argument_group("autoscaling")
+    a.add_argument("--worker-capacity", type=_positive, default=None, metavar="TOKENS_PER_S",
+                   help="tokens/s one worker sustains at the latency target: turns the autoscaler on "
+                   "(exports inferd_desired_workers)")
+    a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
+    a.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS)
+    a.add_argument("--scale-down-cooldown", type=float, default=DEFAULT_SCALE_DOWN_COOLDOWN_S,
+                   help=f"seconds the need must stay lower before workers are retired "
+                   f"(default {DEFAULT_SCALE_DOWN_COOLDOWN_S:g})")
+    a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...",
+                   help="floors by time of day, ahead of a known ramp: \"07:30=4,19:00=0\"")
+    a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S,
+                   help="seconds ahead of the schedule the floor applies (workers are loaded in time)")
+    add_gateway_args(p)
+
+
+def autoscaler_config(args: argparse.Namespace):
+    if args.worker_capacity is None:
+        return None
+    from .cluster.autoscaler import AutoscalerConfig
+
+    return AutoscalerConfig(worker_capacity=args.worker_capacity, min_workers=args.min_workers,
+                            max_workers=args.max_workers, scale_down_cooldown_s=args.scale_down_cooldown,
+                            warm_schedule=args.warm_schedule, warm_lead_s=args.warm_lead)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -274,36 +369,49 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from .worker.echo import run_echo_worker as run_worker  # no model: answers echo the prompt
     else:
         from .worker.server import run_worker
+    from .worker.server import WorkerRunOptions
 
-    return run_worker(engine_config(args), host=args.host, port=args.port, heartbeat_interval=args.heartbeat_interval,
-                      worker_id=args.worker_id,
-                      parent_pid=_PARENT_PID_AT_START if args.die_with_parent else None)
+    host, port = args.host, args.port
+    if args.listen is not None:
+        from .cluster.remote import parse_address
+
+        try:
+            host, port = parse_address(args.listen, allow_any_port=True)
+        except ValueError as e:
+            print(f"error: --listen: {e}", file=sys.stderr)
+            return 2
+    opts = WorkerRunOptions(host=host, port=port, heartbeat_interval=args.heartbeat_interval,
+                            worker_id=args.worker_id,
+                            parent_pid=_PARENT_PID_AT_START if args.die_with_parent else None,
+                            version=args.model_version, shutdown_grace=args.shutdown_grace, threads=args.threads,
+                            register=args.register, advertise=args.advertise)
+    return run_worker(engine_config(args), opts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inferd", description="inferd: LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (starts and supervises a worker process)")
-    s.add_argument("--host", default=DEFAULT_HOST)
-    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
-    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
-    s.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
-                   "default: $INFERD_API_KEY, else no key")
-    s.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_REQUEST_BODY_BYTES,
-                   help="largest request body accepted (413 beyond; default 8M)")
-    s.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
-                   help=f"seconds between the worker's heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})")
-    s.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT,
-                   help=f"silence after which the worker is declared dead (default {DEFAULT_HEARTBEAT_TIMEOUT} s)")
-    s.add_argument("--shutdown-grace", type=float, default=5.0,
-                   help="seconds open responses get to finish after SIGTERM (default 5)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--echo", action="store_true", help="run an echo worker (no model; answers repeat the prompt's "
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (starts and supervises its worker processes)")
+    add_server_args(s)
+    s.add_argument("--workers", type=int, default=1, help="local worker processes, each its own engine (default 1)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: the cores divided among the workers)")
+    s.add_argument("--echo", action="store_true", help="run echo workers (no model; answers repeat the prompt's "
                    "tokens): measures the server alone (bench/gateway_overhead.py)")
-    add_gateway_args(s)
+    s.add_argument("--autoscale", action="store_true", help="start and retire local workers to match the "
+                   "autoscaler's desired count (needs --worker-capacity)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP server in front of workers that run elsewhere "
+                        "(inferd worker --listen HOST:PORT)")
+    add_server_args(gw)
+    gw.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                    help="a worker to connect to (repeat for several); with --redis, registered workers join too")
+    gw.add_argument("--model", default=None, help="the workers' model (HF folder or .gguf): its tokenizer is "
+                    "loaded here (default: SmolLM2-135M-Instruct)")
+    gw.set_defaults(func=cmd_gateway)
 
     k = sub.add_parser("keys", help="tenants and their API keys (the file `inferd serve --keys` reads)")
     ksub = k.add_subparsers(dest="keys_command", required=True)
@@ -357,6 +465,18 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--die-with-parent", action=argparse.BooleanOptionalAction, default=False,
                    help="exit (SIGTERM) when the parent process dies (Linux); supervisors turn it on")
     w.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    w.add_argument("--listen", default=None, metavar="HOST:PORT", help="where gateways connect (instead of "
+                   "--host/--port); e.g. 0.0.0.0:9000 on a GPU host")
+    w.add_argument("--model-version", default=DEFAULT_MODEL_VERSION,
+                   help=f"the version this worker serves, for rollouts (default {DEFAULT_MODEL_VERSION})")
+    w.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="SIGTERM: seconds running requests get to finish; then they are handed back to the gateway, "
+                   f"which replays them on another worker (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    w.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, every core)")
+    w.add_argument("--register", default=None, metavar="REDIS_URL",
+                   help="announce this worker in Redis (gateway --redis finds it); renewed every heartbeat")
+    w.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="the address registered for gateways (default: the listening one)")
     w.add_argument("--echo", action="store_true", help="no model (only its config is read): every step gives each "
                    "request the next token of its prompt, until max_tokens")
     add_engine_args(w)

@@ -12,6 +12,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16
 DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # token budget of one step (decodes + prefill chunks)
+TENSOR_PARALLEL_TIMEOUT_S = 300.0  # an all-reduce that waits this long for another rank fails
 
 # worker protocol (inferd/worker)
 MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
@@ -47,6 +48,30 @@ REDIS_LEASE_S = 3600.0  # a concurrency slot in Redis expires after this (a gate
 FAIRNESS_PROMPT_WEIGHT = 1.0  # VTC: service charged per prompt token
 FAIRNESS_OUTPUT_WEIGHT = 2.0  # VTC: service charged per generated token
 
+# the autoscaler (inferd/cluster/autoscaler.py)
+DEFAULT_MIN_WORKERS = 1  # `--min-workers`: never fewer
+DEFAULT_MAX_WORKERS = 8  # `--max-workers`: never more
+DEFAULT_TARGET_UTILIZATION = 0.8  # plan to run workers at this share of `--worker-capacity`
+DEFAULT_SCALE_DOWN_COOLDOWN_S = 300.0  # the need must stay lower this long before workers are stopped
+DEFAULT_QUEUE_DRAIN_S = 10.0  # the waiting line's reserved tokens should be served within this many seconds
+DEFAULT_KV_HIGH_WATER = 0.9  # mean KV use above this (with enough compute) asks for one more worker
+DEFAULT_WARM_LEAD_S = 0.0  # the warm schedule is read this many seconds ahead (to have workers loaded in time)
+
+# the cluster (inferd/cluster, inferd/gateway/router.py, inferd/worker)
+DEFAULT_MODEL_VERSION = "v1"  # a worker's model version when none is given (rollouts route by version)
+DEFAULT_SHUTDOWN_GRACE_S = 5.0  # SIGTERM: running streams get this long to finish, then move to another worker
+DEFAULT_REPLAY_TIMEOUT_S = 30.0  # a stream whose worker died waits this long for another worker, then `worker_lost`
+MAX_REPLAYS_PER_REQUEST = 8  # a request that loses this many workers ends with `worker_lost` (a poison request)
+WORKER_REGISTRATION_TTL_S = 5.0  # a worker registered in Redis (--register) vanishes this long after its last beat
+WORKER_DISCOVERY_POLL_S = 1.0  # how often `inferd gateway --redis` looks for registered workers
+WORKER_RECONNECT_BACKOFF_S = (0.2, 5.0)  # first and longest pause before a gateway reconnects to a remote worker
+PREFIX_AFFINITY_MAX_BLOCKS = 4096  # per worker: prompt-prefix block hashes the router remembers (LRU)
+PREFIX_AFFINITY_MIN_BLOCKS = 1  # full blocks a prompt must share with a worker's cache to prefer that worker
+DEFAULT_CANARY_PERCENT = 10.0  # a rollout's share of new requests for the new version, percent
+DEFAULT_ROLLOUT_MIN_REQUESTS = 20  # canary requests finished before a rollout is promoted or rolled back
+DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE = 0.05  # rollback when the canary's error rate is this much above the old
+DEFAULT_ROLLOUT_MAX_LATENCY_RATIO = 1.5  # rollback when its median TTFT or TPOT is this many times the old one's
+
 
 @dataclass
 class EngineConfig:
@@ -63,6 +88,9 @@ class EngineConfig:
     # API process, so it turns this off (a request with stop strings is still detokenized, to find them)
     detokenize: bool = True
     record_logits: bool = False  # keep every sampled row's logits on the request (tests, debugging)
+    # processes (devices) each decoder layer is split over, Megatron style (inferd/models/parallel.py); with N > 1
+    # each device holds 1/N of the KV heads, so kv_cache_bytes (per device) holds N times the tokens
+    tensor_parallel: int = 1
 
 
 def cpu_has_native_bf16() -> bool:

@@ -83,15 +83,20 @@ def read_line(proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
 
 
 def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key: str | None = None,
-                 model_name: str = "test-model") -> Server:
-    args = ["--port", "0", "--dtype", "float32", "--served-model-name", model_name, *extra]
+                 model_name: str = "test-model", env: dict[str, str] | None = None,
+                 command: str = "serve") -> Server:
+    """command: serve (with its own workers) or gateway (remote workers: give --worker in extra). env: added to
+    the server's environment (e.g. INFERD_FAULT, which its workers inherit)."""
+    args = ["--port", "0", "--served-model-name", model_name, *extra]
+    if command == "serve":
+        args = ["--dtype", "float32", *args]
     if model is not None:
         args += ["--model", str(model)]
     if api_key:
         args += ["--api-key", api_key]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
-                                stderr=log, bufsize=0, env=ENV, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "inferd", command, *args], stdout=subprocess.PIPE,
+                                stderr=log, bufsize=0, env={**ENV, **(env or {})}, start_new_session=True)
     try:
         line = read_line(proc, READY_TIMEOUT_S, log_path)
     except BaseException:

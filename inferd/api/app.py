@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +47,10 @@ class ServerState:
     gateway: Gateway | None = None  # default: in-process limits and line over `router`
     keys: KeyStore | None = None  # None: no keys file (then --api-key, or no authentication on loopback)
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
+    admin_key: str | None = None  # the admin API (/admin/...) is off without one
+    draining: bool = False  # shutting down: /ready says so, new requests get 503
+    rollout: object | None = None  # the RolloutController (local workers only)
+    autoscaler: object | None = None  # the Autoscaler, where one runs
 
     def __post_init__(self) -> None:
         if self.gateway is None:
@@ -61,6 +66,8 @@ class ServerState:
         return self.serving
 
     def not_ready_reason(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
         if self.serving is None:
             return "the tokenizer is loading"
         if not self.router.ready:
@@ -151,14 +158,71 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/admin/workers", include_in_schema=False)
+    async def admin_workers() -> dict:
+        return {"workers": [_worker_card(w) for w in state.router.workers],
+                "affinity": {"hits": state.router.affinity_hits, "queries": state.router.affinity_queries}}
+
+    @app.get("/admin/rollout", include_in_schema=False)
+    async def rollout_status() -> dict:
+        return _rollout(state).describe()
+
+    @app.post("/admin/rollout/start", include_in_schema=False)
+    async def rollout_start(body: RolloutStartRequest) -> dict:
+        return await _rollout_call(_rollout(state).start(body.model, body.version, body.path, body.canary))
+
+    @app.post("/admin/rollout/promote", include_in_schema=False)
+    async def rollout_promote() -> dict:
+        return await _rollout_call(_rollout(state).promote())
+
+    @app.post("/admin/rollout/abort", include_in_schema=False)
+    async def rollout_abort() -> dict:
+        return await _rollout_call(_rollout(state).abort())
+
     _install_openapi(app)
     return Gatekeeper(app, state)
+
+
+class RolloutStartRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    version: str
+    path: str
+    canary: float | None = None  # percent of new requests
+
+
+def _rollout(state: ServerState):
+    if state.rollout is None:
+        raise APIError(409, "rollouts need local workers (inferd serve); this server has none", code="no_rollouts")
+    return state.rollout
+
+
+async def _rollout_call(coro) -> dict:
+    from ..cluster.rollout import RolloutError
+
+    try:
+        return await coro
+    except RolloutError as e:
+        raise APIError(e.status, str(e), INVALID_REQUEST, code="rollout_conflict" if e.status == 409 else None) \
+            from None
+
+
+def _worker_card(w) -> dict:
+    hello, stats = w.hello, w.latest_stats
+    return {"worker_id": hello.worker_id if hello else None, "version": hello.version if hello else None,
+            "pid": hello.pid if hello else None, "address": f"{w.address[0]}:{w.address[1]}" if w.address else None,
+            "usable": w.usable, "draining": w.draining, "unresponsive": w.unresponsive,
+            "dead": str(w.dead) if w.dead else None, "streams": w.num_streams,
+            "running": stats.running if stats else None,
+            "prefix_cache_hits": stats.prefix_cache_hits if stats else None,
+            "prefix_cache_queries": stats.prefix_cache_queries if stats else None,
+            "stale_outputs": w.num_stale_outputs, "given_up": w.num_given_up}
 
 
 def _model_card(state: ServerState) -> dict:
     hello = state.router.hello
     return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "inferd",
-            "max_model_len": hello.max_model_len if hello else None}
+            "max_model_len": hello.max_model_len if hello else None, "versions": state.router.versions()}
 
 
 async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) -> Response:
@@ -168,13 +232,15 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
     tenant: Tenant = request.scope[TENANT]
     band, queue_timeout = _requested_band(request, tenant), _requested_timeout(request)
     try:
-        ticket = await state.gateway.admit(tenant, band, prep.prompt_tokens, prep.reserved_tokens, queue_timeout)
+        ticket = await state.gateway.admit(tenant, band, prep.prompt_tokens, prep.reserved_tokens, queue_timeout,
+                                           prompt=prep.prompts[0])
     except RateLimited as e:
         raise _rate_limited(e) from None
     except Exception as e:  # Overloaded, NoWorkerAvailable
         raise worker_error(e) from None
     run = serving.start(prep)
     run.on_tokens = ticket.on_output
+    run.rebind = ticket.rebind
     headers = ticket.decision.headers()
     try:
         if prep.stream:
@@ -197,11 +263,26 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
         await run.aclose()
         raise
     except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected, ...
+        run.error = e
         await run.aclose()
         raise worker_error(e) from None
     finally:
         if not (prep.stream and ticket.streaming):
-            await ticket.finish(_used_tokens(run))
+            await _end(state, ticket, run)
+
+
+async def _end(state: ServerState, ticket, run: Run) -> None:
+    """Settles the ticket; a request that reached a worker counts for its version (rollout figures)."""
+    await ticket.finish(_used_tokens(run))
+    rollout = state.rollout
+    if rollout is not None and run.dispatched_at is not None:
+        ttft = tpot = None
+        c = run.choices[0]
+        if c.first_token_at is not None:
+            ttft = c.first_token_at - run.prep.received_at
+            if c.num_output_tokens > 1 and run.last_output_at is not None:
+                tpot = (run.last_output_at - c.first_token_at) / (c.num_output_tokens - 1)
+        rollout.observe(ticket.version, ttft, tpot, run.error is not None)
 
 
 def _used_tokens(run: Run) -> int:
@@ -216,8 +297,13 @@ def _observe_overhead(state: ServerState, prep: Prepared, run: Run, ticket) -> N
 
 
 def _dispatch_headers(ticket) -> dict[str, str]:
-    return {"x-inferd-queue-seconds": f"{ticket.queue_seconds:.4f}", "x-inferd-dispatch-seq": str(ticket.dispatch_seq),
-            "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.band]}
+    headers = {"x-inferd-queue-seconds": f"{ticket.queue_seconds:.4f}", "x-inferd-dispatch-seq": str(ticket.dispatch_seq),
+               "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.band]}
+    worker = ticket.worker
+    if worker is not None and worker.hello is not None:  # where it ran (first dispatch): routing is observable
+        headers["x-inferd-worker"] = worker.hello.worker_id
+        headers["x-inferd-model-version"] = worker.hello.version
+    return headers
 
 
 async def _start_stream(state: ServerState, run: Run, ticket, band: int, request: Request,
@@ -255,6 +341,7 @@ async def _stream_body(state: ServerState, run: Run, ticket, starting: asyncio.F
         try:
             events, first = starting.result()
         except Exception as e:  # queue timeout, shed, worker lost, ...: the headers are gone, the error goes in band
+            run.error = e
             yield sse(worker_error(e).body())
             yield SSE_DONE
             return
@@ -265,7 +352,7 @@ async def _stream_body(state: ServerState, run: Run, ticket, starting: asyncio.F
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
         await run.aclose()
-        await ticket.finish(_used_tokens(run))
+        await _end(state, ticket, run)
 
 
 def _rate_limited(e: RateLimited) -> APIError:
@@ -350,7 +437,8 @@ def _install_openapi(app: FastAPI) -> None:
 
 # ---- the middleware ----------------------------------------------------------------------------------------------
 _PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
-_KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *_PUBLIC_PATHS)
+_KNOWN_ROUTES = ("/admin/workers", "/admin/rollout", "/admin/rollout/start", "/admin/rollout/promote",
+                 "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *_PUBLIC_PATHS)
 
 
 class Gatekeeper:
@@ -387,6 +475,8 @@ class Gatekeeper:
     def _check_key(self, scope, path: str) -> APIError | None:
         """Resolves the request's key to its tenant (scope[TENANT]); a 401 when the key is missing or refused."""
         state = self.state
+        if path.startswith("/admin/"):
+            return self._check_admin_key(scope)
         if not state.authenticates:
             scope[TENANT] = _ANONYMOUS
             return None
@@ -406,6 +496,18 @@ class Gatekeeper:
             scope[TENANT] = state.keys.authenticate(given)
         except AuthError as e:
             return _unauthorized(str(e))
+        return None
+
+    def _check_admin_key(self, scope) -> APIError | None:
+        """The admin API has its own key (--admin-key): a tenant's key never opens it."""
+        admin_key = self.state.admin_key
+        if admin_key is None:
+            return APIError(403, "the admin API is disabled: start the server with --admin-key (or "
+                            "$INFERD_ADMIN_KEY)", "permission_error", code="admin_disabled")
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+            return _unauthorized("the admin API needs the admin key: 'Authorization: Bearer ADMIN_KEY'")
         return None
 
     async def _buffer_body(self, scope, receive):

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
-                      DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S,
+                      DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES)
 
 log = logging.getLogger("inferd.api")
@@ -45,6 +45,18 @@ class ServeOptions:
     fairness: str = "vtc"
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
     sse_keepalive: float = DEFAULT_SSE_KEEPALIVE_S
+    workers: int = 1  # local worker processes (serve)
+    remote_workers: list[str] = field(default_factory=list)  # HOST:PORT of remote workers (gateway)
+    registry_url: str | None = None  # Redis where workers register (gateway --redis)
+    replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
+    admin_key: str | None = None  # the admin API (/admin/...): rollouts
+    autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
+    autoscale_local: bool = False  # and start/stop local workers to match
+    rollout: object | None = None  # RolloutTargets for rollouts
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.remote_workers or self.registry_url)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -77,7 +89,6 @@ def run_server(opts: ServeOptions) -> int:
 async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     import uvicorn
 
-    from ..cluster.supervisor import LocalWorker
     from ..gateway.admission import Gateway, GatewayOptions
     from ..gateway.router import Router
     from ..gateway.tenants import KeyStore
@@ -85,7 +96,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     from .app import ServerState, build_app
 
     router = Router()
-    metrics = Metrics(opts.served_model_name, router.latest_stats)
+    metrics = Metrics(opts.served_model_name, router.latest_stats, lambda: list(router.workers))
     try:
         limiter = await _limiter(opts)
         keys = KeyStore.load(opts.keys_path) if opts.keys_path else None
@@ -95,35 +106,42 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
                                                       opts.queue_timeout, opts.fairness, opts.worker_queue_depth),
                       metrics)
+    gateway.replay_timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
-                        keys=keys, sse_keepalive_s=opts.sse_keepalive)
+                        keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key)
     app = build_app(state)
     watching = asyncio.create_task(_watch_keys(state, opts.keys_path)) if opts.keys_path else None
 
     def hook_metrics(client) -> None:
         client.on_step = lambda seconds, _n: metrics.step_time.observe(seconds)
 
-    worker = LocalWorker(opts.worker_args, router, heartbeat_timeout=opts.heartbeat_timeout, on_attach=hook_metrics)
+    backend = _backend(opts, router, hook_metrics)
+    # our own drain does the graceful part; uvicorn then only flushes what is left
     config = uvicorn.Config(app, log_level="warning", access_log=False, http="httptools", lifespan="off",
-                            timeout_graceful_shutdown=opts.shutdown_grace, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
+                            timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
     server = _server_class()(config)
+    stop_requested = asyncio.Event()
+    server.on_first_signal = stop_requested.set
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
-    starting = asyncio.gather(worker.start(), _load_serving(state, opts))
-    await asyncio.wait({starting, serving}, return_when=asyncio.FIRST_COMPLETED)
+    starting = asyncio.gather(backend.start(), _load_serving(state, opts))
+    await asyncio.wait({starting, serving, asyncio.ensure_future(stop_requested.wait())},
+                       return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # stopped by a signal while loading
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
-        await worker.stop()
+        server.should_exit = True
+        await serving
+        await backend.stop(0.0)
         return 0
     if starting.exception() is not None:
         error = starting.exception()
         print(f"error: the server could not start: {error}", file=sys.stderr)
         server.should_exit = True
         await serving
-        await worker.stop()
+        await backend.stop(0.0)
         return 1
-    supervision = asyncio.create_task(worker.supervise())
+    extras = _start_cluster_services(opts, state, backend)
     shown = f"[{host}]" if ":" in host else host
     print(f"READY http://{shown}:{port}", flush=True)
     if state.authenticates:
@@ -133,13 +151,96 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         log.warning("serving %s on http://%s:%d WITHOUT API keys: every request is accepted (allowed only because "
                     "%s is a loopback address; give --keys FILE to require keys)", opts.served_model_name, shown, port,
                     opts.host)
-    await serving  # until SIGTERM/SIGINT
-    supervision.cancel()
+    await asyncio.wait({serving, asyncio.ensure_future(stop_requested.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    for task in extras:
+        task.cancel()
+    if not serving.done():
+        await _drain(state, backend, opts.shutdown_grace)
+        server.should_exit = True
+        await serving
     if watching is not None:
         watching.cancel()
     await limiter.close()
-    await worker.stop(grace_period=0.0)
+    await backend.stop(0.0)
     return 0
+
+
+FINAL_FLUSH_S = 2.0  # after the drain: seconds uvicorn gives responses to write their last bytes
+
+
+async def _drain(state, backend, grace: float) -> None:
+    """SIGTERM: new requests get 503 with Retry-After, waiting ones leave the line with the same, running streams
+    get `grace` seconds to finish; then the workers stop and hand back what still runs, which ends with an error
+    event `shutdown` (there is no other worker of this server to move it to)."""
+    gateway = state.gateway
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    log.info("shutting down: %d request(s) in flight get up to %.1f s", gateway.num_in_flight, grace)
+    state.draining = True
+    gateway.close()
+    while gateway.num_in_flight and loop.time() - started < grace:
+        await asyncio.sleep(DRAIN_POLL_S)
+    left = gateway.num_in_flight
+    await backend.stop(0.0)
+    log.info("drained in %.2f s (%d request(s) cut at the end of the grace period)", loop.time() - started, left)
+
+
+DRAIN_POLL_S = 0.05
+
+
+def _backend(opts: ServeOptions, router, on_attach):
+    if opts.remote:
+        from ..cluster.remote import RemoteWorkers
+
+        return RemoteBackend(RemoteWorkers(router, opts.remote_workers, opts.registry_url, opts.heartbeat_timeout,
+                                           on_attach))
+    from ..cluster.pool import WorkerPool
+
+    return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach),
+                        opts.workers)
+
+
+class LocalBackend:
+    """`inferd serve`: worker processes started and supervised here."""
+
+    def __init__(self, pool, count: int):
+        self.pool = pool
+        self.count = count
+
+    async def start(self) -> None:
+        await self.pool.add(self.count)
+
+    async def stop(self, grace: float) -> None:
+        await self.pool.stop_all(grace)
+
+
+class RemoteBackend:
+    """`inferd gateway`: workers that run elsewhere (and are not stopped with the gateway)."""
+
+    def __init__(self, remote):
+        self.pool = None
+        self.remote = remote
+
+    async def start(self) -> None:
+        await self.remote.start()
+
+    async def stop(self, grace: float) -> None:
+        await self.remote.stop()
+
+
+def _start_cluster_services(opts: ServeOptions, state, backend) -> list[asyncio.Task]:
+    """The rollout controller (local workers only) and the autoscaler (where --worker-capacity is given)."""
+    tasks = []
+    if backend.pool is not None:
+        from ..cluster.rollout import RolloutController
+
+        state.rollout = RolloutController(state, backend.pool, opts.rollout, opts.shutdown_grace)
+    if opts.autoscale is not None:
+        from ..cluster.scaling import run_autoscaler
+
+        tasks.append(asyncio.create_task(run_autoscaler(opts.autoscale, state, backend.pool, opts.shutdown_grace,
+                                                        act=opts.autoscale_local and backend.pool is not None)))
+    return tasks
 
 
 async def _limiter(opts: ServeOptions):
@@ -205,10 +306,18 @@ def _server_class():
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
 
+        on_first_signal = None  # our drain: the server keeps answering (503 for new requests) while it runs
+
         def _on_signal(self, sig: int) -> None:
+            if self.on_first_signal is not None and not self._signalled:
+                self._signalled = True
+                self.on_first_signal()
+                return
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C: do not wait for open streams
             self.should_exit = True
+
+        _signalled = False
 
     return Server
 

@@ -17,13 +17,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..config import MAX_CHOICES_PER_REQUEST
+from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST
 from ..engine.request import SamplingParams
 from ..gateway.admission import Overloaded, QueueTimeout
 from ..gateway.router import NoWorkerAvailable, Router
 from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
 from ..telemetry.metrics import Metrics
-from ..worker.client import RequestFailed, RequestRejected, WorkerDead
+from ..worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUnavailable
 from ..worker.protocol import WorkerOutput
 from .errors import INVALID_REQUEST, APIError, invalid
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -53,7 +53,10 @@ def worker_error(exc: Exception) -> APIError:
     if isinstance(exc, QueueTimeout):
         return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, WorkerDead):
-        return APIError(503, f"the worker serving this request was lost: {exc}", code="worker_lost",
+        return APIError(503, f"the worker serving this request was lost and no other could take it over: {exc}",
+                        code="worker_lost", headers={"Retry-After": "1"})
+    if isinstance(exc, WorkerUnavailable):  # its worker shut down and no other could take the request over
+        return APIError(503, f"the request was stopped by a shutdown: {exc}", code="shutdown",
                         headers={"Retry-After": "1"})
     if isinstance(exc, RequestFailed):
         return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
@@ -100,6 +103,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     first_token_at: float | None = None
     logprobs: list = field(default_factory=list)  # per token: (token id, logprob, [(id, logprob)...])
+    token_ids: list[int] = field(default_factory=list)  # the journal: every generated token id, for a replay
 
     @property
     def finished(self) -> bool:
@@ -251,6 +255,11 @@ class Run:
         self.on_tokens = None  # called with the number of new tokens of every output (the gateway's fair share)
         self.dispatched_at: float | None = None
         self.last_output_at: float | None = None  # when the last worker output arrived
+        # async (lost worker, error) -> a new worker for a replay (the gateway's Ticket.rebind); None: no replay
+        self.rebind = None
+        self.error: Exception | None = None  # what ended the run early (the rollout's error rate counts it)
+        self.num_replays = 0
+        self.longest_gap_s = 0.0  # the longest pause between two outputs that a replay caused
 
     def dispatch(self, worker=None, priority: int = 0, queue_seconds: float = 0.0) -> None:
         """Sends every choice to `worker` (the gateway's choice; default: the router's pick), with the engine
@@ -260,8 +269,7 @@ class Run:
             worker = router.pick()  # fail before anything is sent when no worker is attached
         for params in prep.params:
             params.priority = priority
-        streams = [router.generate(f"{prep.id}-{i}", prep.prompts[prep.prompt_of[i]], prep.params[i], worker)
-                   for i in range(len(self.choices))]
+        streams = [self._choice_stream(i, worker) for i in range(len(self.choices))]
         self.dispatched_at = time.perf_counter()
         self.serving.metrics.dispatch_overhead.observe(self.dispatched_at - prep.received_at - queue_seconds)
         self.serving.metrics.prompt_tokens.inc(sum(len(prep.prompts[p]) for p in prep.prompt_of))
@@ -269,6 +277,34 @@ class Run:
             self._single = streams[0]
         else:
             self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _choice_stream(self, index: int, worker) -> AsyncIterator[WorkerOutput]:
+        """One choice's outputs. When its worker dies, hangs or drains under it, the choice is replayed on the
+        worker the gateway rebinds the request to: the prompt plus every token already generated (the journal),
+        the original prompt length (so max_tokens, penalties, min_tokens and seeded sampling positions are the
+        original request's) and a new epoch; the client's stream just continues."""
+        prep, router = self.prep, self.serving.router
+        prompt, params = prep.prompts[prep.prompt_of[index]], prep.params[index]
+        journal = self.choices[index].token_ids
+        attempt = 0
+        while True:
+            request_id = f"{prep.id}-{index}" + (f".r{attempt}" if attempt else "")
+            stream = router.generate(request_id, prompt + journal if journal else prompt, params, worker,
+                                     num_prompt_tokens=len(prompt) if journal else None)
+            try:
+                async for out in stream:
+                    journal.extend(out.new_token_ids)
+                    yield out
+                return
+            except WorkerUnavailable as e:
+                if self.rebind is None or attempt >= MAX_REPLAYS_PER_REQUEST or self.choices[index].finished:
+                    raise
+                worker = await self.rebind(worker, e)
+                attempt += 1
+                self.num_replays += 1
+                self.serving.metrics.replays.labels("worker_lost" if isinstance(e, WorkerDead) else "drain").inc()
+            finally:
+                await stream.aclose()
 
     async def _pump(self, index: int, stream) -> None:
         try:
@@ -307,6 +343,8 @@ class Run:
 
     def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list]:
         now = time.perf_counter()
+        if self.last_output_at is not None and self.num_replays:
+            self.longest_gap_s = max(self.longest_gap_s, (out.received_at or now) - self.last_output_at)
         self.last_output_at = out.received_at or now
         if self.on_tokens is not None and out.new_token_ids:
             self.on_tokens(len(out.new_token_ids))
@@ -418,6 +456,7 @@ async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
         if prep.include_usage:
             yield sse({**head, "choices": [], "usage": run.usage()})
     except Exception as e:  # the stream has started: the error goes in band
+        run.error = e
         yield sse(worker_error(e).body())
     finally:
         await run.aclose()

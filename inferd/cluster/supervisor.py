@@ -19,9 +19,11 @@ import os
 import signal
 import sys
 
-from ..config import DEFAULT_HEARTBEAT_TIMEOUT, WORKER_RESTART_BACKOFF_S, WORKER_START_TIMEOUT_S
+from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MODEL_VERSION, WORKER_RESTART_BACKOFF_S,
+                      WORKER_START_TIMEOUT_S)
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
+from ..worker.faults import ENV as FAULT_ENV
 
 log = logging.getLogger("inferd.cluster")
 
@@ -36,12 +38,13 @@ class WorkerStartError(RuntimeError):
 class LocalWorker:
     def __init__(self, worker_args: list[str], router: Router, worker_id: str = "worker-0",
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 start_timeout: float = WORKER_START_TIMEOUT_S, on_attach=None):
+                 start_timeout: float = WORKER_START_TIMEOUT_S, on_attach=None, version: str = DEFAULT_MODEL_VERSION):
         """worker_args: the `inferd worker` options (model and engine settings) besides host, port and identity.
         on_attach(client): called with every newly connected client (to hook metrics)."""
         self.worker_args = worker_args
         self.router = router
         self.worker_id = worker_id
+        self.version = version
         self.heartbeat_timeout = heartbeat_timeout
         self.start_timeout = start_timeout
         self.on_attach = on_attach
@@ -54,10 +57,13 @@ class LocalWorker:
     async def start(self) -> None:
         """Starts the worker and waits until it is attached. Raises WorkerStartError."""
         self.num_starts += 1
+        env = dict(os.environ)
+        if self.num_starts > 1:  # an injected fault (tests) acts in a worker's first life only
+            env.pop(FAULT_ENV, None)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "inferd", "worker", "--host", "127.0.0.1", "--port", "0", "--die-with-parent",
-            "--worker-id", self.worker_id, *self.worker_args,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=None)
+            "--worker-id", self.worker_id, "--model-version", self.version, *self.worker_args,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=None, env=env)
         try:
             host, port = await asyncio.wait_for(self._read_ready(), self.start_timeout)
         except TimeoutError:
@@ -102,8 +108,14 @@ class LocalWorker:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, longest)
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     async def stop(self, grace_period: float = 0.0) -> None:
-        """Asks the worker to finish (in-flight requests get grace_period seconds), kills it if it does not."""
+        """Drains the worker for good (no restart): it takes no new request, in-flight ones get grace_period
+        seconds, then it hands the rest back (the gateway replays them elsewhere) and exits; killed if it does
+        not."""
         self._stopping = True
         client, proc = self.client, self.proc
         if client is not None and client.dead is None:

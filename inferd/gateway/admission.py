@@ -25,9 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_WORKER_QUEUE_DEPTH, TIERS)
+                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_WORKER_QUEUE_DEPTH, TIERS)
 from ..telemetry.metrics import Metrics
-from ..worker.client import WorkerClient
+from ..worker.client import WorkerClient, WorkerDead
 from .limits import Decision, InProcessLimiter, Limiter
 from .line import WaitingLine, Waiter
 from .router import NoWorkerAvailable, Router
@@ -35,6 +35,9 @@ from .tenants import Tenant
 
 DRAIN_WINDOW_S = 30.0  # the drain rate is measured over this recent window (of busy time)
 MAX_RETRY_AFTER_S = 120  # a Retry-After computed from the drain rate is capped here
+NO_VERSION = "\0none"  # a version no worker serves: "wait" (no candidate matches it)
+ARRIVAL_WINDOW_S = 30.0  # the autoscaler's token arrival rate is measured over this window
+SHUTDOWN_RETRY_AFTER_S = 5  # Retry-After while the server shuts down (a restart or another replica takes over)
 
 
 class RateLimited(Exception):
@@ -147,6 +150,10 @@ class Ticket:
         self._finished = False
         self.streaming = False  # the HTTP layer's: an SSE body has taken the ticket over (and finishes it)
         self._drained_prompt = False
+        self.prompt_hashes: list[bytes] = []  # the first prompt's block hashes (prefix affinity)
+        self.version: str | None = None  # the model version it runs on: fixed at its first dispatch
+        self.num_replays = 0
+        self._rebinding: asyncio.Future | None = None
 
     @property
     def waiting(self) -> bool:
@@ -167,6 +174,18 @@ class Ticket:
         if not self._future.done():
             self._future.set_exception(error)
             self._future.exception()  # retrieved here: the request may already be gone
+
+    async def rebind(self, lost: WorkerClient, error: Exception) -> WorkerClient:
+        """The worker this request was bound to can no longer run it (died, hung, drained): a worker of the same
+        version with room, ahead of the waiting line. Every choice of the request calls this with the same lost
+        worker and gets the same new one. Raises `error` when none can take it before the replay deadline (or at
+        once when the gateway is shutting down)."""
+        if self.worker is not lost and self.worker is not None:
+            return self.worker
+        if self._rebinding is None or self._rebinding.done():
+            self._rebinding = asyncio.get_running_loop().create_future()
+            self.gateway._replay(self, lost, error)
+        return await asyncio.shield(self._rebinding)
 
     def on_output(self, num_tokens: int) -> None:
         """Generated tokens arrived: charged to the tenant's fair-share counter, and counted as drained work (with
@@ -189,15 +208,18 @@ class Ticket:
             return
         self._finished = True
         g = self.gateway
-        dispatched = self.worker is not None
+        dispatched = self.dispatched_at is not None  # it reached a worker (it may have lost it since)
         if self.waiter is not None and g.line.remove(self.waiter):
             g._update_queue_metrics()
         if self._timer is not None:
             self._timer.cancel()
         if not self._future.done():
             self._future.cancel()
-        if dispatched:
+        if self._rebinding is not None and not self._rebinding.done():
+            self._rebinding.cancel()
+        if self.worker is not None:
             g._release(self.worker, self.band)
+        if dispatched:
             g._observe_output(used_tokens, self.reserved_tokens)
         used = used_tokens if dispatched else 0
         if g.metrics is not None:
@@ -222,15 +244,25 @@ class Gateway:
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
         self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
+        self._replays: list[tuple[Ticket, WorkerClient, Exception, float]] = []  # waiting for a new worker
+        self.replay_timeout = DEFAULT_REPLAY_TIMEOUT_S
+        self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
+        # model version -> share of new requests (a rollout's canary); None: any version
+        self.version_shares: dict[str, float] | None = None
+        self._version_counts: dict[str, int] = {}
+        self.on_bind: list = []  # callbacks (ticket) after every first dispatch (rollout statistics)
+        self._arrivals: deque[tuple[float, float]] = deque()  # (time, expected tokens) of admitted requests
         router.on_change.append(self.pump)
         if metrics is not None:  # read at scrape time: never stale
             metrics.drain_rate.set_function(lambda: self.drain.rate(time.perf_counter()) or 0.0)
 
     # ---- admission ------------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
-                    queue_timeout: float | None = None) -> Ticket:
+                    queue_timeout: float | None = None, prompt: list[int] | None = None) -> Ticket:
         """Reserves quota and binds or queues the request. Raises RateLimited (429), Overloaded (503) or
         NoWorkerAvailable (503: no worker at all)."""
+        if self.closing:
+            raise NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
         if not self.router.ready:
             raise NoWorkerAvailable(f"no worker is available: {self.router.not_ready_reason}")
         timeout = queue_timeout if queue_timeout is not None else self.options.queue_timeout[TIERS[band]]
@@ -240,6 +272,8 @@ class Gateway:
             self._count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
         ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout)
+        if prompt is not None:
+            ticket.prompt_hashes = self.router.prompt_hashes(prompt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
         ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
                                payload=ticket)
@@ -250,6 +284,7 @@ class Gateway:
             self._count("overloaded")
             raise
         self._count("admitted")
+        self._arrivals.append((time.perf_counter(), expected))
         return ticket
 
     def _enqueue(self, ticket: Ticket) -> None:
@@ -320,24 +355,50 @@ class Gateway:
         assigned = self._assigned.get(worker)
         return assigned is None or sum(assigned[: band + 1]) < self._capacity(worker)
 
-    def _has_room(self, band: int) -> bool:
-        return any(w.dead is None and self._room_on(w, band) for w in self.router.workers)
+    def _load(self, worker: WorkerClient) -> int:
+        return sum(self._assigned.get(worker, ()))
 
-    def _pick(self, band: int) -> WorkerClient | None:
-        candidates = [w for w in self.router.workers if w.dead is None and self._room_on(w, band)]
+    def _candidates(self, band: int, version: str | None) -> list[WorkerClient]:
+        return [w for w in self.router.workers
+                if w.usable and self._room_on(w, band) and (version is None or w.version == version)]
+
+    def _has_room(self, band: int) -> bool:
+        return bool(self._candidates(band, None))
+
+    def _pick(self, ticket: Ticket) -> WorkerClient | None:
+        version = ticket.version or self._choose_version(ticket.band)
+        candidates = self._candidates(ticket.band, version)
         if not candidates:
             return None
-        return min(candidates, key=lambda w: sum(self._assigned.get(w, ())))
+        return self.router.rank(candidates, self._load, ticket.prompt_hashes)
+
+    def _choose_version(self, band: int) -> str | None:
+        """During a rollout: the version whose share of new requests is furthest behind its target, among those
+        with room (counted, not drawn at random, so that a canary's share is exact over any run of requests)."""
+        shares = self.version_shares
+        if not shares:
+            return None
+        open_versions = {w.version for w in self._candidates(band, None)}
+        total = sum(self._version_counts.get(v, 0) for v in shares) + 1
+        best, best_deficit = None, None
+        for version, share in shares.items():
+            if share <= 0 or version not in open_versions:
+                continue
+            deficit = share * total - self._version_counts.get(version, 0)
+            if best_deficit is None or deficit > best_deficit:
+                best, best_deficit = version, deficit
+        return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
         """Binds waiters to workers while the next in line has room somewhere. The next in line is the best band's:
         if it has no room, no worse band has either."""
+        self._pump_replays()
         moved = False
         while True:
             w = self.line.peek()
             if w is None:
                 break
-            worker = self._pick(w.band)
+            worker = self._pick(w.payload)
             if worker is None:
                 break
             amount = self.line.pop(w)
@@ -357,12 +418,81 @@ class Gateway:
         self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
         self._num_dispatched += 1
         ticket.worker = worker
+        ticket.version = worker.version
+        self._version_counts[worker.version] = self._version_counts.get(worker.version, 0) + 1
+        self.router.remember(worker, ticket.prompt_hashes)
+        for callback in self.on_bind:
+            callback(ticket)
         ticket.dispatched_at = time.perf_counter()
         ticket.dispatch_seq = self._num_dispatched
         ticket.dispatched_ahead = self._num_dispatched - 1 - ticket._dispatches_at_admission
         if self.metrics is not None:
             self.metrics.queue_wait.observe(ticket.dispatched_at - ticket.admitted_at)
         ticket._future.set_result(worker)
+
+    # ---- replay ---------------------------------------------------------------------------------------------
+    def _replay(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> None:
+        self._release(lost, ticket.band)
+        ticket.worker = None
+        if self.closing:
+            ticket._rebinding.set_exception(error)
+            return
+        self._replays.append((ticket, lost, error, time.perf_counter() + self.replay_timeout))
+        asyncio.get_running_loop().call_later(self.replay_timeout, self.pump)
+        self.pump()
+
+    def _pump_replays(self) -> None:
+        """Replays go first: their clients are mid-stream. One that finds no worker by its deadline fails."""
+        if not self._replays:
+            return
+        now, waiting = time.perf_counter(), []
+        for ticket, lost, error, deadline in self._replays:
+            future = ticket._rebinding
+            if future is None or future.done() or ticket._finished:
+                continue
+            candidates = [w for w in self._candidates(ticket.band, ticket.version) if w is not lost]
+            if candidates:
+                worker = self.router.rank(candidates, self._load, ticket.prompt_hashes)
+                self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
+                ticket.worker = worker
+                ticket.num_replays += 1
+                self.router.remember(worker, ticket.prompt_hashes)
+                self._count("replayed")
+                future.set_result(worker)
+            elif self.closing or now >= deadline or self._version_gone(ticket, lost, error):
+                self._count("replay_failed")
+                future.set_exception(error)
+            else:
+                waiting.append((ticket, lost, error, deadline))
+        self._replays = waiting
+
+    def _version_gone(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> bool:
+        """A drained worker (not a dead one, which is restarted) whose version has no other worker: nothing will
+        come to take the request, so it fails now instead of at the replay deadline."""
+        if isinstance(error, WorkerDead):
+            return False
+        return not any(w is not lost and w.dead is None and w.version == ticket.version and not w.draining
+                       for w in self.router.workers)
+
+    def arrival_rate(self, now: float, window: float = ARRIVAL_WINDOW_S) -> float:
+        """Expected tokens (prompt + expected output) of the requests admitted per second over the last window."""
+        while self._arrivals and self._arrivals[0][0] < now - window:
+            self._arrivals.popleft()
+        return sum(tokens for _, tokens in self._arrivals) / window
+
+    def close(self) -> None:
+        """The server is shutting down: refuse new work, fail what waits in the line and every pending replay."""
+        self.closing = True
+        for w in list(self.line.waiters()):
+            self.line.remove(w)
+            w.payload._fail(NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))
+        self._update_queue_metrics()
+        self.pump()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests bound to a worker (or being moved to another)."""
+        return sum(sum(a) for a in self._assigned.values()) + len(self._replays)
 
     def _release(self, worker: WorkerClient, band: int) -> None:
         assigned = self._assigned.get(worker)

@@ -21,8 +21,10 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075,
 
 
 class Metrics:
-    def __init__(self, model: str, engine_stats: Callable[[], object | None] = lambda: None):
-        """engine_stats: returns the latest WorkerStats (or None before the first heartbeat)."""
+    def __init__(self, model: str, engine_stats: Callable[[], object | None] = lambda: None,
+                 workers: Callable[[], list] = lambda: []):
+        """engine_stats: returns the latest WorkerStats, summed over the workers (or None before the first
+        heartbeat). workers: the attached WorkerClients (per-worker series)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("inferd_requests", "HTTP requests by route and status code", ["route", "status"],
@@ -69,7 +71,15 @@ class Metrics:
                                       registry=r)
         self.tenant_tokens = Counter("inferd_tenant_tokens", "Tokens charged to a tenant's quota (after refunds)",
                                      ["tenant"], registry=r)
+        # the cluster
+        self.replays = Counter("inferd_replays", "Streams moved to another worker mid-request, by why their worker "
+                               "was lost (worker_lost: died or hung; drain: shut down)", ["reason"], registry=r)
+        self.desired_workers = Gauge("inferd_desired_workers", "Workers the autoscaler wants (for an HPA/KEDA)",
+                                     registry=r)
+        self.rollout_state = Gauge("inferd_rollout_state", "1 for the rollout's current state", ["state"],
+                                   registry=r)
         r.register(_EngineCollector(model, engine_stats))
+        r.register(_WorkerCollector(workers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -108,3 +118,43 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
+
+
+class _WorkerCollector:
+    """One series per attached worker: whether it takes work, its engine state, what the client dropped."""
+
+    def __init__(self, workers: Callable[[], list]):
+        self.workers = workers
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        up = GaugeMetricFamily("inferd_worker_up", "1: the worker takes new work; 0: draining, unresponsive or dead",
+                               labels=["worker", "version"])
+        running = GaugeMetricFamily("inferd_worker_requests_running", "Requests in the worker's running batch",
+                                    labels=["worker"])
+        in_flight = GaugeMetricFamily("inferd_worker_streams", "Requests this gateway has in flight on the worker",
+                                      labels=["worker"])
+        kv = GaugeMetricFamily("inferd_worker_kv_usage", "Share of the worker's KV blocks referenced by requests",
+                               labels=["worker"])
+        hits = CounterMetricFamily("inferd_worker_prefix_cache_hit_tokens", "Prompt tokens served from the worker's "
+                                   "prefix cache", labels=["worker"])
+        queries = CounterMetricFamily("inferd_worker_prefix_cache_query_tokens", "Prompt tokens looked up in the "
+                                      "worker's prefix cache", labels=["worker"])
+        stale = CounterMetricFamily("inferd_worker_stale_outputs", "Outputs dropped because their dispatch was given "
+                                    "up (an old epoch) or their stream had ended", labels=["worker"])
+        for w in self.workers():
+            if w.hello is None:
+                continue
+            name = w.hello.worker_id
+            up.add_metric([name, w.hello.version], 1 if w.usable else 0)
+            in_flight.add_metric([name], w.num_streams)
+            stale.add_metric([name], w.num_stale_outputs)
+            s = w.latest_stats
+            if s is not None:
+                running.add_metric([name], s.running)
+                kv.add_metric([name], s.kv_blocks_in_use / s.kv_num_blocks if s.kv_num_blocks else 0.0)
+                hits.add_metric([name], s.prefix_cache_hits)
+                queries.add_metric([name], s.prefix_cache_queries)
+        yield from (up, running, in_flight, kv, hits, queries, stale)

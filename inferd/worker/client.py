@@ -20,11 +20,19 @@ from .protocol import (DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPU
                        abort_message, add_message, decode_message, encode_frame, ping_message, shutdown_message)
 
 
+UNRESPONSIVE_CLOSE_S = 60.0  # a given-up worker still silent after this long is closed for good
+
+
 class WorkerClientError(RuntimeError):
     """Base of what a stream can raise."""
 
 
-class WorkerDead(WorkerClientError):
+class WorkerUnavailable(WorkerClientError):
+    """This worker cannot run the request (any more), another one can: it is draining, or its grace period ended
+    while the request ran. The replay path sends it elsewhere."""
+
+
+class WorkerDead(WorkerUnavailable):
     """The worker is gone (closed, killed, silent past the heartbeat timeout, or broke the protocol)."""
 
 
@@ -49,6 +57,8 @@ class _FrameProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.client._last_seen = self.client._loop.time()  # any byte is a sign of life
+        if self.client.unresponsive:
+            self.client._recovered()
         try:
             bodies = self.decoder.feed(data)
         except ProtocolError as e:
@@ -62,8 +72,15 @@ class _FrameProtocol(asyncio.Protocol):
 
 
 class WorkerClient:
-    def __init__(self, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT):
+    def __init__(self, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, close_on_silence: bool = True):
+        """close_on_silence=False (remote workers, which nobody here can kill): a worker silent past the timeout is
+        given up (its streams fail with WorkerDead and are aborted there) but the connection stays open; if it
+        speaks again it is usable again, and whatever it still sends for the given-up streams is dropped."""
         self.heartbeat_timeout = heartbeat_timeout
+        self.close_on_silence = close_on_silence
+        self.unresponsive = False  # silent past the timeout, connection kept (close_on_silence=False)
+        self.num_given_up = 0  # times this worker was given up for silence
+        self.address: tuple[str, int] | None = None
         self.hello: WorkerHello | None = None
         self.latest_stats: WorkerStats | None = None
         self.num_heartbeats = 0
@@ -73,6 +90,7 @@ class WorkerClient:
         self.errors: list[str] = []  # protocol errors the worker reported about what we sent
         # called with (step seconds, number of requests) for every `outputs` message of an engine step (metrics)
         self.on_step: Callable[[float, int], None] | None = None
+        self.on_recover: list[Callable[[], None]] = []  # called when a given-up worker speaks again
         self._streams: dict[str, _Stream] = {}
         self._dead: WorkerDead | None = None
         self._loop = asyncio.get_running_loop()
@@ -84,10 +102,11 @@ class WorkerClient:
         self._watchdog: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
-                      ) -> "WorkerClient":
+    async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                      close_on_silence: bool = True) -> "WorkerClient":
         """Connects and reads the worker's hello; raises WorkerDead when either takes over heartbeat_timeout."""
-        client = cls(heartbeat_timeout)
+        client = cls(heartbeat_timeout, close_on_silence)
+        client.address = (host, port)
         try:
             client._transport, _ = await asyncio.wait_for(
                 client._loop.create_connection(lambda: _FrameProtocol(client), host, port), heartbeat_timeout)
@@ -142,6 +161,20 @@ class WorkerClient:
     @property
     def dead(self) -> WorkerDead | None:
         return self._dead
+
+    @property
+    def draining(self) -> bool:
+        """The worker said it is shutting down: it takes no new request."""
+        return self.latest_stats is not None and self.latest_stats.draining
+
+    @property
+    def usable(self) -> bool:
+        """Can take new work now: connected, speaking, not draining."""
+        return self._dead is None and not self.unresponsive and not self.draining
+
+    @property
+    def version(self) -> str | None:
+        return self.hello.version if self.hello is not None else None
 
     async def wait_dead(self) -> WorkerDead:
         """Returns, with the reason, once the worker is dead to this client (closed, killed, silent or broken)."""
@@ -234,7 +267,8 @@ class WorkerClient:
     def _on_rejected(self, message: dict[str, Any]) -> None:
         stream = self._stream_for(message["request_id"], message["epoch"])
         if stream is not None:
-            stream.queue.put_nowait(RequestRejected(message["error"]))
+            kind = WorkerUnavailable if message.get("retry") else RequestRejected
+            stream.queue.put_nowait(kind(message["error"]))
 
     def _on_error(self, message: dict[str, Any]) -> None:
         request_id = message.get("request_id")
@@ -243,7 +277,8 @@ class WorkerClient:
             return
         stream = self._stream_for(request_id, message.get("epoch"))
         if stream is not None:
-            stream.queue.put_nowait(RequestFailed(message["error"]))
+            kind = WorkerUnavailable if message.get("retry") else RequestFailed
+            stream.queue.put_nowait(kind(message["error"]))
 
     def _on_heartbeat(self, message: dict[str, Any]) -> None:
         self.latest_stats = WorkerStats.from_wire(message["stats"])
@@ -268,8 +303,25 @@ class WorkerClient:
             await asyncio.sleep(period)
             silent = self._loop.time() - self._last_seen
             if silent > self.heartbeat_timeout:
-                self._declare_dead(f"no frame from the worker for {silent:.2f} s "
-                                   f"(heartbeat timeout {self.heartbeat_timeout} s)")
+                reason = f"no frame from the worker for {silent:.2f} s (heartbeat timeout {self.heartbeat_timeout} s)"
+                if self.close_on_silence or silent > UNRESPONSIVE_CLOSE_S:
+                    self._declare_dead(reason)
+                elif not self.unresponsive:
+                    self._give_up(reason)
+
+    def _give_up(self, reason: str) -> None:
+        """Silent, but the connection stays: fail (and abort there) every stream; take no work until it speaks."""
+        self.unresponsive = True
+        self.num_given_up += 1
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.queue.put_nowait(WorkerDead(reason))
+            self._transport.write(encode_frame(abort_message(request_id)))  # read when (if) it wakes up
+
+    def _recovered(self) -> None:
+        self.unresponsive = False
+        for callback in self.on_recover:
+            callback()
 
     def _declare_dead(self, reason: str, abort: bool = True) -> None:
         if self._dead is not None:

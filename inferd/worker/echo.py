@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
-import socket
-import sys
 import uuid
 from dataclasses import dataclass, field
 
-from ..config import DEFAULT_HEARTBEAT_INTERVAL, EngineConfig
+from ..config import EngineConfig
 from ..engine.engine import RequestOutput, StepStats
 from ..engine.kv_cache import PrefixCacheStats
 from ..engine.request import FinishReason, InvalidRequestError, SamplingParams, validate_request
@@ -190,23 +186,13 @@ class EchoEngine:
 
 
 # ---- the process ----------------------------------------------------------------------------------------------
-def run_echo_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
-                    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, worker_id: str | None = None,
-                    parent_pid: int | None = None) -> int:
-    """`inferd worker --echo`: run_worker's process, with an EchoEngine instead of a loaded model."""
-    from .server import WorkerServer, build_hello, die_with_parent
+def run_echo_worker(config: EngineConfig, opts) -> int:
+    """`inferd worker --echo`: run_worker's process (opts: WorkerRunOptions), with an EchoEngine instead of a loaded
+    model."""
+    from .server import _start_process, serve_engine
 
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
+    _start_process(opts)
     engine = EchoEngine.from_config(config)
-    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    hello = build_hello(engine, config, worker_id, heartbeat_interval)
-    log.info("echo worker: no model loaded; answers echo the prompt (vocab %d, context %d)", hello.vocab_size,
-             hello.max_model_len)
-    server = WorkerServer(engine, hello, host, port, heartbeat_interval)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.request_shutdown(0.0))
-    server.serve_forever()
-    return server.exit_code
+    log.info("echo worker: no model loaded; answers echo the prompt (vocab %d, context %d)",
+             engine.model_config.vocab_size, engine.max_model_len)
+    return serve_engine(engine, config, opts)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..engine import Engine, InvalidRequestError, RequestOutput
+from .faults import FaultInjector
 from .protocol import (OUTPUTS, AddRequest, WorkerStats, error_message, output_entry, rejected_message)
 
 log = logging.getLogger("inferd.worker")
@@ -36,9 +37,12 @@ class _Dispatch:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None,
+                 faults: FaultInjector | None = None):
         self.engine = engine
         self.on_crash = on_crash  # called from the step thread if the loop itself fails (a bug, not a bad step)
+        self.faults = faults  # tests only (INFERD_FAULT): None in normal operation
+        self.draining = False  # set (from any thread) when a stop was asked for: new requests are refused
         self._step_seconds_total = 0.0
         self.stats = self._snapshot()  # replaced (never mutated) between steps: safe to read from any thread
         self.step_started_at: float | None = None  # time.monotonic() of the step in progress, None between steps
@@ -67,8 +71,10 @@ class EngineLoop:
         self._put(("drop", peer, None))
 
     def stop(self, grace_period: float) -> None:
-        """Refuse new requests, let the running ones finish for up to grace_period seconds, abort the rest (their
-        final outputs are still sent), then end the thread."""
+        """Drain: refuse new requests (retryable: the gateway sends them elsewhere), let the running ones finish
+        for up to grace_period seconds, then stop the rest with a retryable error (the gateway replays them on
+        another worker), and end the thread."""
+        self.draining = True
         self._put(("stop", None, grace_period))
 
     def _put(self, command: tuple) -> None:
@@ -93,7 +99,7 @@ class EngineLoop:
         while True:
             self._drain_commands()
             if self._should_exit():
-                self._abort_everything()
+                self._move_everything()
                 self._publish(self.engine.take_pending_outputs())
                 return
             if self.engine.has_unfinished_requests():
@@ -116,6 +122,8 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         self.step_started_at = time.monotonic()
         try:
+            if self.faults is not None:
+                self.faults.before_step(self.engine)
             return self.engine.step()
         except Exception as e:  # a failed step fails the requests in it, not the worker
             log.exception("engine step failed")
@@ -128,9 +136,15 @@ class EngineLoop:
         finally:
             self.step_started_at = None
 
-    def _abort_everything(self) -> None:
+    def _move_everything(self) -> None:
+        """The grace period is over: every request still running is stopped here and reported as retryable, so
+        that its client can replay it elsewhere (prompt + the tokens it already got)."""
         for request_id in list(self.engine.requests):
+            dispatch = self._dispatches.pop(request_id, None)
             self.engine.abort(request_id)
+            if dispatch is not None:
+                dispatch.peer.send(error_message("the worker shut down before the request finished (grace period "
+                                                 "over)", request_id, dispatch.epoch, retry=True))
 
     # ---- commands -------------------------------------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -154,7 +168,7 @@ class EngineLoop:
         if peer.closed:
             return  # dispatched by a connection that is already gone: nobody would read the tokens
         if self._stop_deadline is not None:
-            peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down"))
+            peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down", retry=True))
             return
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
@@ -198,4 +212,4 @@ class EngineLoop:
                            kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
                            prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
                            num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps,
-                           step_seconds_total=self._step_seconds_total)
+                           step_seconds_total=self._step_seconds_total, draining=self.draining)

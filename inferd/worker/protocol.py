@@ -28,7 +28,7 @@ from ..engine.engine import RequestOutput
 from ..engine.request import InvalidRequestError, SamplingParams
 from ..engine.sampler import TokenLogprob
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: hello.version, stats.draining, rejected/error "retry"
 
 _LENGTH = struct.Struct(">I")
 
@@ -165,13 +165,14 @@ class WorkerHello:
     max_num_seqs: int
     max_num_batched_tokens: int
     heartbeat_interval: float
+    version: str = "v1"  # the model version this worker serves (rollouts route by it)
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": HELLO, **dataclasses.asdict(self)}
 
     @classmethod
     def from_wire(cls, message: dict[str, Any]) -> "WorkerHello":
-        return cls(**{f.name: message[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: message[f.name] for f in dataclasses.fields(cls) if f.name in message})
 
 
 @dataclass
@@ -190,10 +191,11 @@ class WorkerStats:
     # how long the step in progress has run when the heartbeat left: heartbeats prove the process is alive, this
     # lets a client notice an engine stuck inside one step
     step_in_progress_s: float = 0.0
+    draining: bool = False  # shutting down: takes no new request, its running ones finish within the grace period
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "WorkerStats":
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 @dataclass
@@ -278,13 +280,16 @@ def shutdown_message(grace_period: float) -> dict[str, Any]:
     return {"type": SHUTDOWN, "grace_period": grace_period}
 
 
-def rejected_message(request_id: str, epoch: int, error: str) -> dict[str, Any]:
-    return {"type": REJECTED, "request_id": request_id, "epoch": epoch, "error": error}
+def rejected_message(request_id: str, epoch: int, error: str, retry: bool = False) -> dict[str, Any]:
+    """retry: the request itself is fine, this worker cannot take it (it is draining): send it elsewhere."""
+    return {"type": REJECTED, "request_id": request_id, "epoch": epoch, "error": error, "retry": retry}
 
 
-def error_message(error: str, request_id: str | None = None, epoch: int | None = None) -> dict[str, Any]:
-    """A protocol error (no request_id) or the failure of one admitted request."""
-    return {"type": ERROR, "error": error, "request_id": request_id, "epoch": epoch}
+def error_message(error: str, request_id: str | None = None, epoch: int | None = None,
+                  retry: bool = False) -> dict[str, Any]:
+    """A protocol error (no request_id) or the failure of one admitted request. retry: the request was stopped
+    by this worker's shutdown (not by its own fault) and can be replayed on another worker."""
+    return {"type": ERROR, "error": error, "request_id": request_id, "epoch": epoch, "retry": retry}
 
 
 def heartbeat_message(seq: int, monotonic_time: float, stats: WorkerStats) -> dict[str, Any]:

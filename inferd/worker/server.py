@@ -27,9 +27,10 @@ import threading
 import time
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, EngineConfig
 from ..engine import Engine, InvalidRequestError
 from .engine_loop import EngineLoop
+from .faults import FaultInjector
 from .protocol import (ABORT, ADD, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
                        SHUTDOWN, ProtocolError, WorkerHello, decode_message, encode_frame, error_message,
                        heartbeat_message, parse_add, read_frame, rejected_message)
@@ -84,10 +85,11 @@ class Connection:
 
 class WorkerServer:
     def __init__(self, engine: Engine, hello: WorkerHello, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL):
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, faults: FaultInjector | None = None):
         if not heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
-        self.loop = EngineLoop(engine, on_crash=self._on_engine_loop_crash)
+        self.loop = EngineLoop(engine, on_crash=self._on_engine_loop_crash, faults=faults)
+        self._beat_now = threading.Event()  # wakes the heartbeat thread (a drain starts: say so at once)
         self.exit_code = 0
         self.hello = hello
         self.heartbeat_interval = heartbeat_interval
@@ -118,9 +120,12 @@ class WorkerServer:
         log.info("worker %s stopped", self.hello.worker_id)
 
     def request_shutdown(self, grace_period: float = 0.0) -> None:
-        """Stop accepting; in-flight requests get grace_period seconds, then are aborted. Signal-handler safe."""
+        """Drain: new requests are refused (retryable), in-flight ones get grace_period seconds, then the rest are
+        handed back (retryable errors) and the worker exits. Signal-handler safe."""
+        log.info("draining: running requests get %.1f s", grace_period)
         self.loop.stop(grace_period)
         self._shutdown.set()
+        self._beat_now.set()
 
     # ---- connections ----------------------------------------------------------------------------------------
     def _adopt(self, sock: socket.socket, address: Any) -> None:
@@ -195,13 +200,15 @@ class WorkerServer:
     # ---- heartbeats -----------------------------------------------------------------------------------------
     def _send_heartbeats(self) -> None:
         while True:
-            time.sleep(self.heartbeat_interval)
+            self._beat_now.wait(self.heartbeat_interval)
+            self._beat_now.clear()
             conn = self._current
             if conn is not None:
                 conn.send(self._heartbeat())
 
     def _heartbeat(self) -> dict[str, Any]:
-        stats = dataclasses.replace(self.loop.stats, step_in_progress_s=self.loop.step_seconds())
+        stats = dataclasses.replace(self.loop.stats, step_in_progress_s=self.loop.step_seconds(),
+                                    draining=self.loop.draining)
         return heartbeat_message(next(self._heartbeat_seq), time.monotonic(), stats)
 
     def _on_engine_loop_crash(self, error: BaseException) -> None:
@@ -234,13 +241,14 @@ def model_name(config: EngineConfig) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float) -> WorkerHello:
+def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float,
+                version: str = DEFAULT_MODEL_VERSION) -> WorkerHello:
     return WorkerHello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, pid=os.getpid(),
                        model=model_name(config), max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, eos_token_ids=sorted(engine.eos_token_ids),
                        kv_num_blocks=engine.kv_cache.num_blocks, kv_block_size=engine.kv_cache.block_size,
                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                       heartbeat_interval=heartbeat_interval)
+                       heartbeat_interval=heartbeat_interval, version=version)
 
 
 @contextlib.contextmanager
@@ -260,20 +268,64 @@ def loading_progress(name: str):
         yield progress
 
 
-def run_worker(config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
-               heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, worker_id: str | None = None,
-               parent_pid: int | None = None) -> int:
-    """The `inferd worker` process. parent_pid (the parent at start-up): die when that parent dies."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
+@dataclasses.dataclass
+class WorkerRunOptions:
+    """How `inferd worker` runs, besides its engine configuration."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    worker_id: str | None = None  # default: HOSTNAME-PID
+    parent_pid: int | None = None  # the parent at start-up: die when it dies
+    version: str = DEFAULT_MODEL_VERSION
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S  # SIGTERM: running requests get this long, then move
+    threads: int | None = None  # torch intra-op threads (None: torch's default, every core)
+    register: str | None = None  # a Redis URL: announce this worker there (gateway --redis discovers it)
+    advertise: str | None = None  # HOST:PORT gateways should connect to (default: the listening address)
+
+
+def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
+    """The `inferd worker` process."""
+    _start_process(opts)
     with loading_progress(model_name(config)) as progress:
         engine = Engine.from_config(dataclasses.replace(config, detokenize=False), progress)  # sends token ids
-    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    server = WorkerServer(engine, build_hello(engine, config, worker_id, heartbeat_interval), host, port,
-                          heartbeat_interval)
+    return serve_engine(engine, config, opts)
+
+
+def _start_process(opts: WorkerRunOptions) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if opts.parent_pid is not None:
+        die_with_parent(opts.parent_pid)
+    if opts.threads is not None:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+
+
+def serve_engine(engine, config: EngineConfig, opts: WorkerRunOptions) -> int:
+    """Serves a built engine (the model's or the echo one) until shutdown; returns the exit code."""
+    worker_id = opts.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    hello = build_hello(engine, config, worker_id, opts.heartbeat_interval, opts.version)
+    faults = FaultInjector.from_env(worker_id, opts.version)
+    server = WorkerServer(engine, hello, opts.host, opts.port, opts.heartbeat_interval, faults=faults)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.request_shutdown(0.0))
-    server.serve_forever()
+        signal.signal(signum, lambda *_: server.request_shutdown(opts.shutdown_grace))
+    registration = None
+    if opts.register:
+        from .registry import Registration
+
+        registration = Registration(opts.register, hello, opts.advertise or _advertised(server.host, server.port),
+                                    opts.heartbeat_interval)
+        registration.start()
+    try:
+        server.serve_forever()
+    finally:
+        if registration is not None:
+            registration.stop()
     return server.exit_code
+
+
+def _advertised(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

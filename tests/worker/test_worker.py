@@ -19,7 +19,7 @@ from parity import Reference, assert_greedy_parity
 from inferd.config import EngineConfig
 from inferd.engine import Engine, InvalidRequestError, SamplingParams
 from inferd.models.build import load_model
-from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead
+from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead, WorkerUnavailable
 from inferd.worker.protocol import (ADD, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED, FrameDecoder,
                                     ProtocolError, decode_message, encode_frame, read_frame, sampling_params_from_dict,
                                     sampling_params_to_dict)
@@ -271,18 +271,20 @@ async def record_heartbeats(client: WorkerClient, arrivals: list) -> None:
 
 
 def test_the_worker_exits_gracefully_when_its_parent_dies(spawn_worker, prompts):
-    proc = spawn_worker("--die-with-parent", via_parent=True)
+    proc = spawn_worker("--die-with-parent", "--shutdown-grace", "0", via_parent=True)
 
     async def main():
         async with await WorkerClient.connect(proc.host, proc.port) as client:
             stream = client.generate("orphan", prompts[0], greedy(LONG))
             await first_output(stream)
             proc.proc.kill()  # SIGKILL to the parent: the kernel sends the worker SIGTERM
-            outs = await asyncio.wait_for(collect_rest(stream), 10)
-            return outs, await asyncio.wait_for(client.wait_dead(), 10)
+            with pytest.raises(WorkerUnavailable, match="shut down") as handed_back:
+                await asyncio.wait_for(collect_rest(stream), 10)
+            return handed_back.value, await asyncio.wait_for(client.wait_dead(), 10)
 
-    outs, dead = asyncio.run(main())
-    assert outs[-1].finish_reason == "abort"  # SIGTERM is a graceful stop: in-flight requests aborted and told
+    handed_back, dead = asyncio.run(main())
+    # SIGTERM is a drain: with no grace left, the running request is handed back (retryable), not silently cut
+    assert not isinstance(handed_back, WorkerDead)
     assert "lost" in str(dead)
     assert proc.wait_gone(timeout=10)
     assert "stopped" in proc.log()
@@ -297,8 +299,9 @@ def test_shutdown_finishes_running_requests_and_exits_0(spawn_worker, prompts):
         first = await first_output(stream)
         shutdown = asyncio.create_task(client.shutdown(grace_period=30))
         await asyncio.sleep(0)  # the shutdown frame goes out before the next add
-        with pytest.raises(RequestRejected, match="shutting down"):
+        with pytest.raises(WorkerUnavailable, match="shutting down"):  # retryable: the gateway sends it elsewhere
             await collect(client, "too-late", prompts[1], greedy(5))
+        assert (await client.ping()).draining  # and the heartbeats say so
         rest = await asyncio.wait_for(collect_rest(stream), 30)
         await asyncio.wait_for(shutdown, 10)
         return [first] + rest

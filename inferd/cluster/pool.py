@@ -1,0 +1,84 @@
+"""WorkerPool: the local worker processes of `inferd serve`, by model version: started, supervised (restarted when
+they die), added and retired (drained, not restarted) by the autoscaler and by rollouts.
+
+Worker ids are `worker-0`, `worker-1`, ... in start order and never reused, so logs and metrics stay unambiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+from ..config import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MODEL_VERSION
+from ..gateway.router import Router
+from .supervisor import LocalWorker
+
+log = logging.getLogger("inferd.cluster")
+
+
+class WorkerPool:
+    def __init__(self, router: Router, args_for: Callable[[str], list[str]],
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None):
+        """args_for(version): the `inferd worker` options for a worker of that model version."""
+        self.router = router
+        self.args_for = args_for
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_attach = on_attach
+        self.workers: list[LocalWorker] = []
+        self._ids = itertools.count()
+        self._tasks: dict[LocalWorker, asyncio.Task] = {}
+        self._retiring: set[asyncio.Task] = set()
+
+    def of_version(self, version: str) -> list[LocalWorker]:
+        return [w for w in self.workers if w.version == version]
+
+    def versions(self) -> list[str]:
+        return sorted({w.version for w in self.workers})
+
+    async def add(self, count: int = 1, version: str = DEFAULT_MODEL_VERSION) -> list[LocalWorker]:
+        """Starts count workers of version together and supervises them; raises WorkerStartError if one cannot
+        start (the others keep running)."""
+        new = [LocalWorker(self.args_for(version), self.router, f"worker-{next(self._ids)}",
+                           self.heartbeat_timeout, on_attach=self.on_attach, version=version) for _ in range(count)]
+        self.workers.extend(new)
+        results = await asyncio.gather(*(w.start() for w in new), return_exceptions=True)
+        error = None
+        for worker, result in zip(new, results):
+            if isinstance(result, BaseException):
+                error = error or result
+                self.workers.remove(worker)
+                await worker.stop()
+            else:
+                self._tasks[worker] = asyncio.create_task(worker.supervise())
+        if error is not None:
+            raise error
+        return new
+
+    def retire(self, worker: LocalWorker, grace_period: float) -> asyncio.Task:
+        """Drains a worker for good in the background: no new work, its streams finish (or move after the grace
+        period), then it exits."""
+        if worker in self.workers:
+            self.workers.remove(worker)
+        task = self._tasks.pop(worker, None)
+        if task is not None:
+            task.cancel()
+        log.info("retiring %s (%s), grace %.1f s", worker.worker_id, worker.version, grace_period)
+        stopping = asyncio.create_task(worker.stop(grace_period))
+        self._retiring.add(stopping)
+        stopping.add_done_callback(self._retiring.discard)
+        return stopping
+
+    def least_loaded(self, version: str | None = None) -> LocalWorker | None:
+        candidates = [w for w in self.workers if version is None or w.version == version]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: w.client.num_streams if w.client is not None else 0)
+
+    async def stop_all(self, grace_period: float = 0.0) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+        workers, self.workers = self.workers, []
+        await asyncio.gather(*(w.stop(grace_period) for w in workers), *self._retiring, return_exceptions=True)

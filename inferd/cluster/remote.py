@@ -1,0 +1,145 @@
+"""Workers on other machines: `inferd gateway --worker HOST:PORT` (a fixed list) or `--redis URL` (workers that
+registered themselves with `inferd worker --register URL`).
+
+A RemoteWorker keeps one connection to its worker: it connects (retrying with back-off while the worker is not up),
+attaches the client to the router, and reconnects when the connection dies. Nobody here can kill a remote worker,
+so a silent one is given up (its streams move) but its connection is kept: if it speaks again it takes work again
+and whatever it still sends for the given-up streams is dropped by epoch (see WorkerClient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ..config import DEFAULT_HEARTBEAT_TIMEOUT, WORKER_DISCOVERY_POLL_S, WORKER_RECONNECT_BACKOFF_S
+from ..gateway.router import Router
+from ..worker.client import WorkerClient, WorkerDead
+
+log = logging.getLogger("inferd.cluster")
+
+
+def parse_address(text: str, allow_any_port: bool = False) -> tuple[str, int]:
+    """HOST:PORT (IPv6 hosts in brackets). allow_any_port: port 0 (pick a free one) is allowed (to listen)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 if allow_any_port else 1) <= int(port) < 65536:
+        raise ValueError(f"a worker address must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class RemoteWorker:
+    def __init__(self, address: str, router: Router, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                 on_attach=None):
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.router = router
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_attach = on_attach
+        self.client: WorkerClient | None = None
+        self.connected = asyncio.Event()  # set while attached
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        first, longest = WORKER_RECONNECT_BACKOFF_S
+        backoff = first
+        while True:
+            try:
+                client = await WorkerClient.connect(self.host, self.port, self.heartbeat_timeout,
+                                                    close_on_silence=False)
+            except WorkerDead as e:
+                log.debug("worker %s not reachable: %s", self.address, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, longest)
+                continue
+            backoff = first
+            self.client = client
+            if self.on_attach is not None:
+                self.on_attach(client)
+            self.router.attach(client)
+            self.connected.set()
+            log.info("worker %s (%s, %s) attached", client.hello.worker_id, self.address, client.hello.version)
+            reason = await client.wait_dead()
+            self.connected.clear()
+            self.router.detach(client, f"the worker at {self.address} was lost ({reason})")
+            log.error("worker %s lost: %s; reconnecting", self.address, reason)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.client is not None:
+            self.router.detach(self.client, "the gateway is stopping")
+            await self.client.close()
+
+
+class RemoteWorkers:
+    """The gateway's remote workers: a fixed list, and those registered in Redis (polled)."""
+
+    def __init__(self, router: Router, addresses: list[str], registry_url: str | None = None,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None):
+        self.router = router
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_attach = on_attach
+        self.registry_url = registry_url
+        self.workers: dict[str, RemoteWorker] = {}  # by address
+        for address in addresses:
+            parse_address(address)  # fail at start-up on a typo
+        self._addresses = addresses
+        self._discovery: asyncio.Task | None = None
+        self._redis = None
+
+    async def start(self) -> None:
+        """Starts connecting; returns once at least one worker is attached."""
+        for address in self._addresses:
+            self._add(address)
+        if self.registry_url is not None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.Redis.from_url(self.registry_url)
+            await self._redis.ping()
+            self._discovery = asyncio.create_task(self._discover())
+        attached = asyncio.Event()
+        self.router.on_change.append(attached.set)
+        try:
+            while not self.router.workers:
+                await attached.wait()
+        finally:
+            self.router.on_change.remove(attached.set)
+
+    def _add(self, address: str) -> None:
+        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach)
+        self.workers[address] = worker
+        worker.start()
+
+    async def _discover(self) -> None:
+        from ..worker.registry import discover
+
+        while True:
+            try:
+                found = await discover(self._redis)
+            except Exception as e:  # Redis away for a moment: keep the workers we have
+                log.warning("worker discovery failed: %s", e)
+                found = None
+            if found is not None:
+                addresses = {entry["address"] for entry in found.values()}
+                for address in addresses - set(self.workers):
+                    log.info("discovered worker at %s", address)
+                    self._add(address)
+                for address in set(self.workers) - addresses - set(self._addresses):
+                    worker = self.workers[address]
+                    if not worker.connected.is_set():  # deregistered and gone: stop retrying it
+                        del self.workers[address]
+                        await worker.stop()
+            await asyncio.sleep(WORKER_DISCOVERY_POLL_S)
+
+    async def stop(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+        await asyncio.gather(*(w.stop() for w in self.workers.values()), return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose()

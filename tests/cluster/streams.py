@@ -1,0 +1,120 @@
+"""Streams as a client sees them (token ids, their logprobs, arrival times, errors), and their comparison with the
+same request on an undisturbed server by the exactness rule of DEVELOPERS.md:
+
+- greedy: a divergence is accepted only at a position where the reference's top-2 logprob gap (= logit gap) is below
+  max(1e-3, 10x the largest logprob difference seen on the positions matched before it);
+- seeded sampling: only where the position's uniform draw lies within 1e-3 of a boundary of the CDF of the filtered
+  distribution, rebuilt from the reference's top-20 logprobs (the requests use top_k <= 20, so those hold every
+  token the sampler could pick, and softmax is shift-invariant: logprobs give the same distribution as logits).
+Nothing after the first divergence can be compared; never fewer tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+
+from inferd.engine.request import SamplingParams
+from inferd.engine.sampler import filtered_sorted_probs, uniform_draw
+
+TOP = 20  # logprobs asked for: the whole filtered distribution when top_k <= 20
+
+
+@dataclass
+class Stream:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of every chunk with tokens
+    finish_reason: str | None = None
+    errors: list[dict] = field(default_factory=list)
+    done: bool = False
+    headers: dict = field(default_factory=dict)
+
+    @property
+    def longest_gap(self) -> float:
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
+
+
+def request_body(model: str, prompt: list[int], max_tokens: int, seed: int | None, **extra) -> dict:
+    """greedy when seed is None, else seeded sampling (temperature 0.9, top_k 20)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "logprobs": TOP,
+            "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+    if seed is None:
+        body["temperature"] = 0
+    else:
+        body.update(temperature=0.9, top_k=TOP, seed=seed)
+    return body
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> Stream:
+    out = Stream()
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        out.headers = dict(response.headers)
+        assert response.status_code == 200, (response.status_code, await response.aread())
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                out.done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                out.errors.append(chunk["error"])
+                continue
+            choice = chunk["choices"][0]
+            lp = choice.get("logprobs")
+            if lp and lp["tokens"]:
+                out.arrivals.append(time.monotonic())
+                for tok, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+                    out.tokens.append(int(tok.removeprefix("token_id:")))
+                    out.logprobs.append(logprob)
+                    out.tops.append({int(k.removeprefix("token_id:")): v for k, v in top.items()})
+            if choice.get("finish_reason"):
+                out.finish_reason = choice["finish_reason"]
+    return out
+
+
+async def run_all(url: str, bodies: list[dict]) -> list[Stream]:
+    limits = httpx.Limits(max_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        return await asyncio.gather(*(stream_completion(client, url, b) for b in bodies))
+
+
+def assert_same_stream(ours: Stream, ref: Stream, body: dict, num_prompt_tokens: int) -> None:
+    """ours equals ref by the exactness rule (module docstring): complete, no error, no duplicate or gap."""
+    assert ours.done and not ours.errors, ours.errors
+    assert ref.done and not ref.errors, ref.errors
+    assert len(ours.tokens) == len(ref.tokens) == body["max_tokens"], (len(ours.tokens), len(ref.tokens))
+    assert ours.finish_reason == ref.finish_reason == "length"
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ours.tokens, ref.tokens)):
+        if a != b:
+            if body.get("seed") is None:
+                top2 = sorted(ref.tops[i].values(), reverse=True)[:2]
+                gap = top2[0] - top2[1]
+                assert gap < max(1e-3, 10 * worst), f"greedy divergence at {i}: {a} != {b}, top-2 gap {gap}"
+            else:
+                assert near_cdf_boundary(ref.tops[i], body, num_prompt_tokens + i), \
+                    f"sampling divergence at {i}: {a} != {b} with a draw far from any CDF boundary"
+            return  # nothing after a (legitimate) divergence can be compared
+        worst = max(worst, abs(ours.logprobs[i] - ref.logprobs[i]))
+
+
+def near_cdf_boundary(top: dict[int, float], body: dict, position: int) -> bool:
+    vocab = max(top) + 1
+    logits = torch.full((vocab,), float("-inf"))
+    for token, logprob in top.items():
+        logits[token] = logprob
+    params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
+                            top_p=body.get("top_p", 1.0), seed=body["seed"])
+    probs, _ = filtered_sorted_probs(logits, params)
+    cdf = torch.cumsum(probs, 0)
+    u = uniform_draw(body["seed"], position)
+    return float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3
