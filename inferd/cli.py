@@ -15,9 +15,10 @@ import time
 # after arming PR_SET_PDEATHSIG, to notice a parent that died in between.
 _PARENT_PID_AT_START = os.getppid()
 
-from .config import (DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS, DEFAULT_MODEL_VERSION,
+from .config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS, DEFAULT_MODEL_VERSION,
                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_SHUTDOWN_GRACE_S,
-                     DEFAULT_WARM_LEAD_S)
+                     DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE, DEFAULT_ROLLOUT_MAX_LATENCY_RATIO,
+                     DEFAULT_ROLLOUT_MIN_REQUESTS, DEFAULT_WARM_LEAD_S, WORKER_START_TIMEOUT_S)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
                      DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
@@ -210,7 +211,7 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
                         fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
-                        autoscale_local=getattr(args, "autoscale", False), **backend)
+                        autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args), **backend)
     return run_server(opts)
 
 
@@ -241,12 +242,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="SIGTERM, a retired worker: seconds running streams get to finish before they move "
                    f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})")
-    p.add_argument("--replay-timeout", type=_positive, default=DEFAULT_REPLAY_TIMEOUT_S,
+    p.add_argument("--replay-timeout", type=positive_float, default=DEFAULT_REPLAY_TIMEOUT_S,
                    help="a stream whose worker was lost waits this long for another one, then ends with "
                    f"`worker_lost` (default {DEFAULT_REPLAY_TIMEOUT_S:g} s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.add_argument_group("autoscaling")
-    a.add_argument("--worker-capacity", type=_positive, default=None, metavar="TOKENS_PER_S",
+    a.add_argument("--worker-capacity", type=positive_float, default=None, metavar="TOKENS_PER_S",
                    help="tokens/s one worker sustains at the latency target: turns the autoscaler on "
                    "(exports inferd_desired_workers)")
     a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
@@ -256,9 +257,66 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_SCALE_DOWN_COOLDOWN_S:g})")
     a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...",
                    help="floors by time of day, ahead of a known ramp: \"07:30=4,19:00=0\"")
+    a.add_argument("--autoscale-window", type=positive_float, default=DEFAULT_AUTOSCALE_WINDOW_S,
+                   help=f"seconds over which the token arrival rate is measured (default {DEFAULT_AUTOSCALE_WINDOW_S:g})")
     a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S,
                    help="seconds ahead of the schedule the floor applies (workers are loaded in time)")
+    r = p.add_argument_group("rollouts (inferd rollout)")
+    r.add_argument("--rollout-min-requests", type=int, default=DEFAULT_ROLLOUT_MIN_REQUESTS,
+                   help="canary requests finished before a rollout is promoted or rolled back automatically "
+                   f"(default {DEFAULT_ROLLOUT_MIN_REQUESTS})")
+    r.add_argument("--rollout-max-error-increase", type=float, default=DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE,
+                   help="roll back when the canary's error rate is this much above the old version's "
+                   f"(default {DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE:g})")
+    r.add_argument("--rollout-max-latency-ratio", type=float, default=DEFAULT_ROLLOUT_MAX_LATENCY_RATIO,
+                   help="roll back when the canary's median TTFT or TPOT is this many times the old version's "
+                   f"(default {DEFAULT_ROLLOUT_MAX_LATENCY_RATIO:g})")
+    r.add_argument("--no-auto-promote", action="store_true",
+                   help="a canary that meets its targets waits for `inferd rollout promote`")
     add_gateway_args(p)
+
+
+def rollout_targets(args: argparse.Namespace):
+    from .cluster.rollout import RolloutTargets
+
+    return RolloutTargets(min_requests=args.rollout_min_requests,
+                          max_error_rate_increase=args.rollout_max_error_increase,
+                          max_latency_ratio=args.rollout_max_latency_ratio, auto_promote=not args.no_auto_promote)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    """The admin API's rollout commands, over HTTP."""
+    import json
+
+    import httpx
+
+    key = args.admin_key or os.environ.get("INFERD_ADMIN_KEY")
+    if not key:
+        print("error: give --admin-key (or set INFERD_ADMIN_KEY)", file=sys.stderr)
+        return 2
+    headers = {"Authorization": f"Bearer {key}"}
+    base = args.url.rstrip("/") + "/admin/rollout"
+    try:
+        if args.rollout_command == "status":
+            response = httpx.get(base, headers=headers, timeout=30)
+        elif args.rollout_command == "start":
+            body = {"model": args.model, "version": args.version, "path": os.path.abspath(args.path),
+                    "canary": args.canary}
+            response = httpx.post(base + "/start", json=body, headers=headers, timeout=WORKER_START_TIMEOUT_S)
+        else:
+            response = httpx.post(f"{base}/{args.rollout_command}", headers=headers, timeout=60)
+    except httpx.HTTPError as e:
+        print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {"error": {"message": response.text}}
+    if response.status_code != 200:
+        print(f"error ({response.status_code}): {payload.get('error', {}).get('message', payload)}", file=sys.stderr)
+        return 1
+    print(json.dumps(payload, indent=2))
+    return 0
 
 
 def autoscaler_config(args: argparse.Namespace):
@@ -310,6 +368,17 @@ def parse_queue_timeout(text: str) -> dict[str, float]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return out
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _positive(value: float) -> float:
@@ -412,6 +481,23 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--model", default=None, help="the workers' model (HF folder or .gguf): its tokenizer is "
                     "loaded here (default: SmolLM2-135M-Instruct)")
     gw.set_defaults(func=cmd_gateway)
+
+    ro = sub.add_parser("rollout", help="roll a new model version out on a running server (admin API)")
+    rsub = ro.add_subparsers(dest="rollout_command", required=True)
+    rs = rsub.add_parser("start", help="start new-version workers beside the old ones and give them a canary share")
+    rs.add_argument("--model", default=None, help="the served model name (checked against the server's)")
+    rs.add_argument("--version", required=True, help="the new version's name, e.g. v2")
+    rs.add_argument("--path", required=True, help="the new version's weights (HF folder or .gguf)")
+    rs.add_argument("--canary", type=float, default=None, help="percent of new requests for the new version "
+                    "(default 10)")
+    for name, text in (("status", "the rollout's state and each version's figures"),
+                       ("promote", "send every new request to the new version and retire the old workers"),
+                       ("abort", "roll back: retire the new version's workers")):
+        rsub.add_parser(name, help=text)
+    for sp in rsub.choices.values():
+        sp.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", help="the server")
+        sp.add_argument("--admin-key", default=None, help="default: $INFERD_ADMIN_KEY")
+    ro.set_defaults(func=cmd_rollout)
 
     k = sub.add_parser("keys", help="tenants and their API keys (the file `inferd serve --keys` reads)")
     ksub = k.add_subparsers(dest="keys_command", required=True)

@@ -67,6 +67,7 @@ WORKER_DISCOVERY_POLL_S = 1.0  # how often `inferd gateway --redis` looks for re
 WORKER_RECONNECT_BACKOFF_S = (0.2, 5.0)  # first and longest pause before a gateway reconnects to a remote worker
 PREFIX_AFFINITY_MAX_BLOCKS = 4096  # per worker: prompt-prefix block hashes the router remembers (LRU)
 PREFIX_AFFINITY_MIN_BLOCKS = 1  # full blocks a prompt must share with a worker's cache to prefer that worker
+DEFAULT_AUTOSCALE_WINDOW_S = 30.0  # the autoscaler's token arrival rate is measured over this window
 DEFAULT_CANARY_PERCENT = 10.0  # a rollout's share of new requests for the new version, percent
 DEFAULT_ROLLOUT_MIN_REQUESTS = 20  # canary requests finished before a rollout is promoted or rolled back
 DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE = 0.05  # rollback when the canary's error rate is this much above the old

@@ -266,6 +266,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None = None
+    versions: dict[str, int] | None = None  # model version -> workers serving it (two during a rollout)
 
 
 class ModelList(BaseModel):

@@ -17,7 +17,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
+from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES)
 
@@ -52,6 +52,7 @@ class ServeOptions:
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
     autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
     autoscale_local: bool = False  # and start/stop local workers to match
+    autoscale_window: float = DEFAULT_AUTOSCALE_WINDOW_S
     rollout: object | None = None  # RolloutTargets for rollouts
 
     @property
@@ -96,7 +97,8 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     from .app import ServerState, build_app
 
     router = Router()
-    metrics = Metrics(opts.served_model_name, router.latest_stats, lambda: list(router.workers))
+    metrics = Metrics(opts.served_model_name, router.latest_stats, lambda: list(router.workers),
+                      lambda: (router.affinity_hits, router.affinity_queries))
     try:
         limiter = await _limiter(opts)
         keys = KeyStore.load(opts.keys_path) if opts.keys_path else None
@@ -239,7 +241,8 @@ def _start_cluster_services(opts: ServeOptions, state, backend) -> list[asyncio.
         from ..cluster.scaling import run_autoscaler
 
         tasks.append(asyncio.create_task(run_autoscaler(opts.autoscale, state, backend.pool, opts.shutdown_grace,
-                                                        act=opts.autoscale_local and backend.pool is not None)))
+                                                        act=opts.autoscale_local and backend.pool is not None,
+                                                        window=opts.autoscale_window)))
     return tasks
 
 

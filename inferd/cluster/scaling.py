@@ -10,6 +10,7 @@ import logging
 import time
 from datetime import datetime
 
+from ..config import DEFAULT_AUTOSCALE_WINDOW_S
 from .autoscaler import Autoscaler, AutoscalerConfig, Demand
 
 log = logging.getLogger("inferd.cluster")
@@ -17,17 +18,19 @@ log = logging.getLogger("inferd.cluster")
 AUTOSCALE_INTERVAL_S = 1.0
 
 
-def demand(state, current_workers: int) -> Demand:
+def demand(state, current_workers: int, window: float) -> Demand:
     gateway, router = state.gateway, state.router
     usage = [s.kv_blocks_in_use / s.kv_num_blocks for w in router.workers
              if (s := w.latest_stats) is not None and s.kv_num_blocks and w.dead is None]
-    return Demand(arrival_tokens_per_s=gateway.arrival_rate(time.perf_counter()),
+    return Demand(arrival_tokens_per_s=gateway.arrival_rate(time.perf_counter(), window),
                   queued_tokens=gateway.line.num_tokens,
                   kv_usage=sum(usage) / len(usage) if usage else 0.0, current_workers=current_workers)
 
 
-async def run_autoscaler(config: AutoscalerConfig, state, pool, grace_period: float, act: bool = True) -> None:
-    """act=False: compute and export only (the workers are someone else's to scale)."""
+async def run_autoscaler(config: AutoscalerConfig, state, pool, grace_period: float, act: bool = True,
+                         window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> None:
+    """act=False: compute and export only (the workers are someone else's to scale). window: seconds over which
+    the token arrival rate is measured."""
     scaler = Autoscaler(config)
     state.metrics.desired_workers.set(scaler.desired)
     state.autoscaler = scaler
@@ -37,7 +40,7 @@ async def run_autoscaler(config: AutoscalerConfig, state, pool, grace_period: fl
         workers = pool.of_version(version) if (pool is not None and version) else \
             (pool.workers if pool is not None else [w for w in state.router.workers if w.dead is None])
         before = scaler.desired
-        desired = scaler.observe(time.monotonic(), datetime.now(), demand(state, len(workers)))
+        desired = scaler.observe(time.monotonic(), datetime.now(), demand(state, len(workers), window))
         state.metrics.desired_workers.set(desired)
         if desired != before:
             log.info("autoscaler: %d worker(s): %s", desired, scaler.reason)

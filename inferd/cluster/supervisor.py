@@ -128,6 +128,8 @@ class LocalWorker:
                 await self._kill()
         if self._drain is not None:
             self._drain.cancel()
+        if client is not None:
+            self.router.detach(client, f"worker {self.worker_id} was stopped")
 
     # ---- internals ------------------------------------------------------------------------------------------
     async def _wait_dead(self) -> str:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..config import (DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
+from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
                       DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_WORKER_QUEUE_DEPTH, TIERS)
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient, WorkerDead
@@ -36,7 +36,6 @@ from .tenants import Tenant
 DRAIN_WINDOW_S = 30.0  # the drain rate is measured over this recent window (of busy time)
 MAX_RETRY_AFTER_S = 120  # a Retry-After computed from the drain rate is capped here
 NO_VERSION = "\0none"  # a version no worker serves: "wait" (no candidate matches it)
-ARRIVAL_WINDOW_S = 30.0  # the autoscaler's token arrival rate is measured over this window
 SHUTDOWN_RETRY_AFTER_S = 5  # Retry-After while the server shuts down (a restart or another replica takes over)
 
 
@@ -474,7 +473,7 @@ class Gateway:
         return not any(w is not lost and w.dead is None and w.version == ticket.version and not w.draining
                        for w in self.router.workers)
 
-    def arrival_rate(self, now: float, window: float = ARRIVAL_WINDOW_S) -> float:
+    def arrival_rate(self, now: float, window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> float:
         """Expected tokens (prompt + expected output) of the requests admitted per second over the last window."""
         while self._arrivals and self._arrivals[0][0] < now - window:
             self._arrivals.popleft()

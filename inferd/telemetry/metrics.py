@@ -22,7 +22,7 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075,
 
 class Metrics:
     def __init__(self, model: str, engine_stats: Callable[[], object | None] = lambda: None,
-                 workers: Callable[[], list] = lambda: []):
+                 workers: Callable[[], list] = lambda: [], affinity: Callable[[], tuple[int, int]] = lambda: (0, 0)):
         """engine_stats: returns the latest WorkerStats, summed over the workers (or None before the first
         heartbeat). workers: the attached WorkerClients (per-worker series)."""
         self.registry = CollectorRegistry()
@@ -79,7 +79,7 @@ class Metrics:
         self.rollout_state = Gauge("inferd_rollout_state", "1 for the rollout's current state", ["state"],
                                    registry=r)
         r.register(_EngineCollector(model, engine_stats))
-        r.register(_WorkerCollector(workers))
+        r.register(_WorkerCollector(workers, affinity))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -123,8 +123,9 @@ class _EngineCollector:
 class _WorkerCollector:
     """One series per attached worker: whether it takes work, its engine state, what the client dropped."""
 
-    def __init__(self, workers: Callable[[], list]):
+    def __init__(self, workers: Callable[[], list], affinity: Callable[[], tuple[int, int]]):
         self.workers = workers
+        self.affinity = affinity
 
     def describe(self):
         return []
@@ -158,3 +159,8 @@ class _WorkerCollector:
                 hits.add_metric([name], s.prefix_cache_hits)
                 queries.add_metric([name], s.prefix_cache_queries)
         yield from (up, running, in_flight, kv, hits, queries, stale)
+        chosen, asked = self.affinity()
+        yield CounterMetricFamily("inferd_router_prefix_affinity_hits", "Dispatches sent to a worker because it was "
+                                  "sent the prompt's prefix before", value=chosen)
+        yield CounterMetricFamily("inferd_router_prefix_affinity_queries", "Dispatches of prompts of at least one "
+                                  "full KV block", value=asked)
