@@ -182,9 +182,10 @@ async def _drain(state, backend, grace: float) -> None:
     gateway.close()
     while gateway.num_in_flight and loop.time() - started < grace:
         await asyncio.sleep(DRAIN_POLL_S)
-    left = gateway.num_in_flight
+    left, done_s = gateway.num_in_flight, loop.time() - started
     await backend.stop(0.0)
-    log.info("drained in %.2f s (%d request(s) cut at the end of the grace period)", loop.time() - started, left)
+    log.info("drained: requests done in %.2f s (%d cut at the end of the grace period), workers stopped %.2f s "
+             "later", done_s, left, loop.time() - started - done_s)
 
 
 DRAIN_POLL_S = 0.05

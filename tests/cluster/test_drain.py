@@ -55,7 +55,7 @@ def test_sigterm_to_serve_finishes_streams_and_refuses_new_ones(cluster):
     for s in streams:  # none cut short: every stream finished its 80 tokens
         assert s.done and not s.errors and len(s.tokens) == 80 and s.finish_reason == "length"
     assert server.proc.wait(timeout=30) == 0
-    assert "drained in" in server.log()
+    assert "drained: requests done in" in server.log()
 
 
 def test_streams_outliving_the_grace_period_end_with_a_shutdown_event(cluster):

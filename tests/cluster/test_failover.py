@@ -96,3 +96,12 @@ def test_hung_worker_is_given_up_and_its_late_tokens_are_dropped(cluster, refere
     finally:
         for w in workers:
             kill_group(w.proc)
+
+
+def test_a_stream_no_worker_can_take_over_ends_with_worker_lost(cluster):
+    """One worker, a replay deadline shorter than its restart: the client gets an error event and [DONE]."""
+    server = cluster("--workers", "1", "--replay-timeout", "0.3", name="lost",
+                     env={"INFERD_FAULT": "action=crash,phase=decode,step=5"})
+    [s] = asyncio.run(run_all(server.url, [request_body("tiny", list(range(100, 130)), 60, None)]))
+    assert s.done and [e["code"] for e in s.errors] == ["worker_lost"]
+    assert 0 < len(s.tokens) < 60

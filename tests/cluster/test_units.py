@@ -1,0 +1,96 @@
+"""Small pieces of the cluster without processes: the fault-injection setting, the router's prefix index and
+ranking, worker addresses."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd.cluster.remote import parse_address
+from inferd.engine.kv_cache import hash_prompt_blocks
+from inferd.gateway.router import PrefixIndex, Router
+from inferd.worker.faults import FaultInjector, FaultSpec, InjectedFault, step_phase
+
+
+def test_fault_spec_parses_and_refuses_bad_settings():
+    spec = FaultSpec.parse("action=crash,phase=decode,step=5,worker=worker-1,version=v2,times=0")
+    assert (spec.action, spec.phase, spec.step, spec.worker, spec.version, spec.times) == \
+        ("crash", "decode", 5, "worker-1", "v2", 0)
+    assert FaultSpec.parse("action=slow,ms=20").ms == 20.0
+    for bad, match in [("action=explode", "action"), ("action=crash,phase=sleep", "phase"),
+                       ("action=crash,step=0", "step"), ("action=crash,when=now", "unknown"),
+                       ("action=crash,step=x", "integers"), ("crash", "key=value")]:
+        with pytest.raises(ValueError, match=match):
+            FaultSpec.parse(bad)
+
+
+def test_fault_injector_acts_only_in_its_worker_and_version(monkeypatch):
+    monkeypatch.setenv("INFERD_FAULT", "action=fail,worker=worker-1,version=v2")
+    assert FaultInjector.from_env("worker-0", "v2") is None
+    assert FaultInjector.from_env("worker-1", "v1") is None
+    assert FaultInjector.from_env("worker-1", "v2") is not None
+    monkeypatch.delenv("INFERD_FAULT")
+    assert FaultInjector.from_env("worker-1", "v2") is None  # unset: inert
+
+
+class _Req:
+    def __init__(self, n_tokens: int, computed: int):
+        self.token_ids = list(range(n_tokens))
+        self.num_computed_tokens = computed
+
+
+class _Engine:
+    def __init__(self, *reqs):
+        self.requests = {str(i): r for i, r in enumerate(reqs)}
+
+
+def test_fault_injector_counts_steps_of_its_phase():
+    prefill, decode = _Engine(_Req(10, 4)), _Engine(_Req(10, 9))
+    assert step_phase(prefill) == "prefill" and step_phase(decode) == "decode"
+    assert step_phase(_Engine(_Req(10, 9), _Req(5, 0))) == "prefill"  # a mixed step counts as prefill
+    injector = FaultInjector(FaultSpec("fail", "decode", step=3, times=2))
+    for engine in (decode, prefill, decode):  # decode steps 1 and 2
+        injector.before_step(engine)
+    for _ in range(2):  # decode steps 3 and 4 fail
+        with pytest.raises(InjectedFault, match="decode step"):
+            injector.before_step(decode)
+    injector.before_step(decode)  # times=2: done
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest():
+    a = hash_prompt_blocks(list(range(64)), 16)  # 4 blocks
+    b = hash_prompt_blocks(list(range(32)) + [7] * 32, 16)  # shares 2 leading blocks with a
+    index = PrefixIndex(max_blocks=5)
+    index.add(a)
+    assert index.matched(a) == 4 and index.matched(b) == 2
+    assert index.matched(hash_prompt_blocks([9] * 64, 16)) == 0
+    index.add(b[2:])  # 2 new blocks: the oldest (a's first) is evicted, so a matches nothing any more
+    assert index.matched(a) == 0
+
+
+class _Worker:
+    def __init__(self, name: str):
+        self.name = name
+        self.on_recover = []
+
+
+def test_router_ranks_by_cached_prefix_then_load():
+    router = Router()
+    w0, w1 = _Worker("w0"), _Worker("w1")
+    for w in (w0, w1):
+        router._prefixes[w] = PrefixIndex()
+    load = {w0: 5, w1: 1}.get
+    system = hash_prompt_blocks(list(range(48)), 16)
+    assert router.rank([w0, w1], load, system) is w1  # nobody holds it: the least loaded
+    router.remember(w0, system)
+    assert router.rank([w0, w1], load, system) is w0  # w0 was sent it: affinity beats load
+    assert router.rank([w0, w1], load, []) is w1  # a prompt under one block: load only
+    assert (router.affinity_hits, router.affinity_queries) == (1, 2)
+
+
+def test_worker_addresses():
+    assert parse_address("10.0.0.5:9000") == ("10.0.0.5", 9000)
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    assert parse_address("0.0.0.0:0", allow_any_port=True) == ("0.0.0.0", 0)
+    for bad in ("host", "host:0", "host:99999", ":80"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
