@@ -74,15 +74,23 @@ def _stream(engine, request_id: str, out=sys.stdout) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine, InvalidRequestError, SamplingParams
 
-    engine = Engine.from_config(engine_config(args))
+    try:
+        engine = Engine.from_config(engine_config(args))
+    except ValueError as e:  # a configuration the model cannot take (e.g. --tensor-parallel that does not divide it)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     try:
         rid = engine.add_request(engine.tokenizer.encode(args.prompt), params)
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
+        engine.close()
         return 2
-    _stream(engine, rid)
+    try:
+        _stream(engine, rid)
+    finally:
+        engine.close()
     print()
     return 0
 
@@ -144,6 +152,8 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.tensor_parallel != 1:
+        out += ["--tensor-parallel", str(args.tensor_parallel)]
     if getattr(args, "echo", False):
         out.append("--echo")
     return out

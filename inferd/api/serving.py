@@ -299,7 +299,7 @@ class Run:
             except WorkerUnavailable as e:
                 if self.rebind is None or attempt >= MAX_REPLAYS_PER_REQUEST or self.choices[index].finished:
                     raise
-                worker = await self.rebind(worker, e)
+                worker = await self.rebind(worker, e, any(c.token_ids for c in self.choices))
                 attempt += 1
                 self.num_replays += 1
                 self.serving.metrics.replays.labels("worker_lost" if isinstance(e, WorkerDead) else "drain").inc()

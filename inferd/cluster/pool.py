@@ -18,6 +18,23 @@ from .supervisor import LocalWorker
 log = logging.getLogger("inferd.cluster")
 
 
+def spread_devices(args: list[str], index: int, device_count: int | None = None) -> list[str]:
+    """`--device cuda` with several workers: worker i gets cuda:(i mod the number of GPUs), one engine per GPU.
+    Any other device (cpu, or an explicit cuda:N) is left as given."""
+    if "--device" not in args:
+        return args
+    at = args.index("--device") + 1
+    if args[at] != "cuda":
+        return args
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_count <= 0:
+        return args  # the worker reports the missing GPU itself
+    return [*args[:at], f"cuda:{index % device_count}", *args[at + 1:]]
+
+
 class WorkerPool:
     def __init__(self, router: Router, args_for: Callable[[str], list[str]],
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None):
@@ -40,8 +57,11 @@ class WorkerPool:
     async def add(self, count: int = 1, version: str = DEFAULT_MODEL_VERSION) -> list[LocalWorker]:
         """Starts count workers of version together and supervises them; raises WorkerStartError if one cannot
         start (the others keep running)."""
-        new = [LocalWorker(self.args_for(version), self.router, f"worker-{next(self._ids)}",
-                           self.heartbeat_timeout, on_attach=self.on_attach, version=version) for _ in range(count)]
+        new = []
+        for _ in range(count):
+            index = next(self._ids)
+            new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router, f"worker-{index}",
+                                   self.heartbeat_timeout, on_attach=self.on_attach, version=version))
         self.workers.extend(new)
         results = await asyncio.gather(*(w.start() for w in new), return_exceptions=True)
         error = None

@@ -7,6 +7,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from .request import FinishReason, InvalidRequestError, Request, SamplingParams,
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..models.parallel import TensorParallelGroup
 
 
 @dataclass
@@ -44,19 +48,27 @@ class StepStats:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 dtype: torch.dtype, tokenizer=None):
+                 dtype: torch.dtype, tokenizer=None, parallel: TensorParallelGroup | None = None):
+        """With config.tensor_parallel > 1, model is rank 0's shard and parallel the other ranks (from_config
+        builds both); model_config is always the whole model's."""
+        if config.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {config.tensor_parallel}")
+        if config.tensor_parallel != 1 and (parallel is None or parallel.world_size != config.tensor_parallel):
+            raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a model shard and its other ranks: "
+                             "build the engine with Engine.from_config")
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
         self.tokenizer = tokenizer
-        per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+        per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.tensor_parallel)
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device)
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
+                                  config.tensor_parallel, parallel)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._text: dict = {}  # request id -> TextWithStops
@@ -77,9 +89,24 @@ class Engine:
 
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)
+        if config.tensor_parallel != 1:
+            from ..models.parallel import load_tensor_parallel
+
+            model, model_config, tokenizer, parallel = load_tensor_parallel(path, config, dtype, progress)
+            try:
+                return cls(model, model_config, config, dtype, tokenizer, parallel)
+            except BaseException:
+                parallel.close()
+                raise
         model, model_config, tokenizer = load_model(path, dtype=dtype, device=config.device,
                                                     max_positions=config.max_model_len, progress=progress)
         return cls(model, model_config, config, dtype, tokenizer)
+
+    def close(self) -> None:
+        """Ends the other tensor-parallel ranks (their processes exit); idempotent, a no-op for one process.
+        The engine cannot step after it."""
+        if self.runner.parallel is not None:
+            self.runner.parallel.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, build_decode_mask
 from ..models.config import ModelConfig
 from .scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from ..models.parallel import TensorParallelGroup
+
+
+class StepRow(NamedTuple):
+    """One sequence's share of a step: all the runner needs, and all that a tensor-parallel rank is sent."""
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # the position of the first of them
+    block_ids: list[int]  # the sequence's block table (at least the blocks up to start + len(token_ids))
+    samples: bool  # its last row is sampled
+
+
+def step_rows(sched: SchedulerOutput) -> list[StepRow]:
+    rows = []
+    for s in sched.scheduled:
+        r = s.request
+        start = r.num_computed_tokens
+        rows.append((r.token_ids[start:start + s.num_tokens], start, r.block_ids, s.samples))  # a StepRow's fields
+    return rows
 
 
 def keep_freed_memory_mapped() -> bool:
@@ -41,15 +62,21 @@ def split_by_length(lens: list[int], block_size: int, max_waste: float = 0.25) -
     return groups
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """On one device: with tensor parallelism each holds num_key_value_heads / tensor_parallel heads."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * elem
+    kv_heads = config.num_key_value_heads // tensor_parallel
+    return 2 * config.num_hidden_layers * kv_heads * block_size * config.head_dim * elem
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", tensor_parallel: int = 1,
+                 parallel: TensorParallelGroup | None = None):
+        """tensor_parallel: model is this rank's shard of it, and the KV cache holds this rank's KV heads.
+        parallel (rank 0 only): the other ranks, sent every step before it runs here."""
         self.model = model
+        self.parallel = parallel
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
@@ -57,11 +84,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         # zeros, not empty: padded decode slots are masked, and 0 * garbage could be NaN
-        self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
-                              config.head_dim, dtype=dtype, device=self.device)
+        self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads // tensor_parallel, num_blocks,
+                              block_size, config.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_hidden_layers)]
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -70,13 +97,11 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
-        for s in sched.scheduled:
-            r = s.request
-            start, n = r.num_computed_tokens, s.num_tokens
+        for tokens, start, blocks, samples in rows:
+            n = len(tokens)
             row = len(input_ids)
-            input_ids.extend(r.token_ids[start:start + n])
+            input_ids.extend(tokens)
             positions.extend(range(start, start + n))
-            blocks = r.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_lens.append(start + 1)
@@ -85,7 +110,7 @@ class ModelRunner:
                 used = -(-(start + n) // bs)
                 prefills.append(PrefillSeq(row, row + n, start,
                                            torch.tensor(blocks[:used], dtype=torch.long, device=self.device)))
-            if s.samples:
+            if samples:
                 logits_rows.append(row + n - 1)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -105,8 +130,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Runs one step; returns float32 logits for the rows that sample, in scheduled order."""
-        input_ids, positions, meta, logits_rows = self.prepare(sched)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        rows = step_rows(sched)
+        if self.parallel is not None:
+            self.parallel.send_step(rows)  # the other ranks run the same step beside this one
+        hidden, logits_rows = self.forward(rows)
         if not logits_rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[logits_rows])
+
+    @torch.inference_mode()
+    def forward(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int]]:
+        """The model over one step's rows (writing their KV): final hidden states, and the rows that sample."""
+        input_ids, positions, meta, logits_rows = self.prepare(rows)
+        return self.model(input_ids, positions, meta, self.kv_caches), logits_rows

@@ -174,15 +174,18 @@ class Ticket:
             self._future.set_exception(error)
             self._future.exception()  # retrieved here: the request may already be gone
 
-    async def rebind(self, lost: WorkerClient, error: Exception) -> WorkerClient:
+    async def rebind(self, lost: WorkerClient, error: Exception, started: bool = True) -> WorkerClient:
         """The worker this request was bound to can no longer run it (died, hung, drained): a worker of the same
         version with room, ahead of the waiting line. Every choice of the request calls this with the same lost
         worker and gets the same new one. Raises `error` when none can take it before the replay deadline (or at
-        once when the gateway is shutting down)."""
+        once when the gateway is shutting down). started=False (no token was generated yet): any version will do,
+        so a request refused by a draining canary goes to the version that stays."""
         if self.worker is not lost and self.worker is not None:
             return self.worker
         if self._rebinding is None or self._rebinding.done():
             self._rebinding = asyncio.get_running_loop().create_future()
+            if not started:
+                self.version = None
             self.gateway._replay(self, lost, error)
         return await asyncio.shield(self._rebinding)
 
@@ -449,11 +452,13 @@ class Gateway:
             future = ticket._rebinding
             if future is None or future.done() or ticket._finished:
                 continue
-            candidates = [w for w in self._candidates(ticket.band, ticket.version) if w is not lost]
+            version = ticket.version or self._choose_version(ticket.band)
+            candidates = [w for w in self._candidates(ticket.band, version) if w is not lost]
             if candidates:
                 worker = self.router.rank(candidates, self._load, ticket.prompt_hashes)
                 self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
                 ticket.worker = worker
+                ticket.version = worker.version
                 ticket.num_replays += 1
                 self.router.remember(worker, ticket.prompt_hashes)
                 self._count("replayed")
@@ -468,7 +473,7 @@ class Gateway:
     def _version_gone(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> bool:
         """A drained worker (not a dead one, which is restarted) whose version has no other worker: nothing will
         come to take the request, so it fails now instead of at the replay deadline."""
-        if isinstance(error, WorkerDead):
+        if isinstance(error, WorkerDead) or ticket.version is None:
             return False
         return not any(w is not lost and w.dead is None and w.version == ticket.version and not w.draining
                        for w in self.router.workers)

@@ -286,9 +286,16 @@ class WorkerRunOptions:
 def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
     """The `inferd worker` process."""
     _start_process(opts)
-    with loading_progress(model_name(config)) as progress:
-        engine = Engine.from_config(dataclasses.replace(config, detokenize=False), progress)  # sends token ids
-    return serve_engine(engine, config, opts)
+    try:
+        with loading_progress(model_name(config)) as progress:
+            engine = Engine.from_config(dataclasses.replace(config, detokenize=False), progress)  # sends token ids
+    except ValueError as e:  # a configuration the model cannot take (e.g. --tensor-parallel that does not divide it)
+        log.error("cannot start the engine: %s", e)
+        return 2
+    try:
+        return serve_engine(engine, config, opts)
+    finally:
+        engine.close()  # tensor parallel: the other ranks exit
 
 
 def _start_process(opts: WorkerRunOptions) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from inferd.cluster.pool import spread_devices
 from inferd.cluster.remote import parse_address
 from inferd.engine.kv_cache import hash_prompt_blocks
 from inferd.gateway.router import PrefixIndex, Router
@@ -94,3 +95,10 @@ def test_worker_addresses():
     for bad in ("host", "host:0", "host:99999", ":80"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+def test_local_workers_spread_over_the_gpus():
+    args = ["--model", "m", "--device", "cuda", "--dtype", "auto"]
+    assert [spread_devices(args, i, device_count=2)[3] for i in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert spread_devices(["--device", "cpu"], 3, device_count=2) == ["--device", "cpu"]
+    assert spread_devices(["--device", "cuda:1"], 0, device_count=2) == ["--device", "cuda:1"]  # explicit: kept
