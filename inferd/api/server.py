@@ -111,6 +111,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     gateway.replay_timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
                         keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key)
+    # without an autoscaler, the workers there are are the workers wanted (an HPA reading 0 would scale to nothing)
+    metrics.desired_workers.set_function(lambda: state.autoscaler.desired if state.autoscaler is not None
+                                         else sum(1 for w in router.workers if w.dead is None))
     app = build_app(state)
     watching = asyncio.create_task(_watch_keys(state, opts.keys_path)) if opts.keys_path else None
 

@@ -32,8 +32,7 @@ async def run_autoscaler(config: AutoscalerConfig, state, pool, grace_period: fl
     """act=False: compute and export only (the workers are someone else's to scale). window: seconds over which
     the token arrival rate is measured."""
     scaler = Autoscaler(config)
-    state.metrics.desired_workers.set(scaler.desired)
-    state.autoscaler = scaler
+    state.autoscaler = scaler  # inferd_desired_workers reads scaler.desired from here on
     while True:
         await asyncio.sleep(AUTOSCALE_INTERVAL_S)
         version = state.rollout.current_version if state.rollout is not None else None
@@ -41,7 +40,6 @@ async def run_autoscaler(config: AutoscalerConfig, state, pool, grace_period: fl
             (pool.workers if pool is not None else [w for w in state.router.workers if w.dead is None])
         before = scaler.desired
         desired = scaler.observe(time.monotonic(), datetime.now(), demand(state, len(workers), window))
-        state.metrics.desired_workers.set(desired)
         if desired != before:
             log.info("autoscaler: %d worker(s): %s", desired, scaler.reason)
         if not act or pool is None:

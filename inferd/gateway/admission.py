@@ -231,6 +231,15 @@ class Ticket:
         g.pump()
 
 
+@dataclass(eq=False)
+class _Replay:
+    """A request whose worker was lost, waiting for another (ahead of the line) until its timer fails it."""
+    ticket: Ticket
+    lost: WorkerClient
+    error: Exception
+    timer: asyncio.TimerHandle | None = None
+
+
 class Gateway:
     def __init__(self, router: Router, limiter: Limiter | None = None, options: GatewayOptions | None = None,
                  metrics: Metrics | None = None):
@@ -246,7 +255,7 @@ class Gateway:
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
         self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
-        self._replays: list[tuple[Ticket, WorkerClient, Exception, float]] = []  # waiting for a new worker
+        self._replays: list[_Replay] = []  # waiting for a new worker
         self.replay_timeout = DEFAULT_REPLAY_TIMEOUT_S
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
@@ -439,18 +448,33 @@ class Gateway:
         if self.closing:
             ticket._rebinding.set_exception(error)
             return
-        self._replays.append((ticket, lost, error, time.perf_counter() + self.replay_timeout))
-        asyncio.get_running_loop().call_later(self.replay_timeout, self.pump)
+        replay = _Replay(ticket, lost, error)
+        replay.timer = asyncio.get_running_loop().call_later(self.replay_timeout, self._replay_expired, replay)
+        self._replays.append(replay)
         self.pump()
+
+    def _replay_expired(self, replay: "_Replay") -> None:
+        """No worker took it by its deadline (a timer, not a clock comparison: it cannot be missed)."""
+        if replay in self._replays:
+            self._replays.remove(replay)
+            self._fail_replay(replay)
+
+    def _fail_replay(self, replay: "_Replay") -> None:
+        future = replay.ticket._rebinding
+        if future is not None and not future.done():
+            self._count("replay_failed")
+            future.set_exception(replay.error)
 
     def _pump_replays(self) -> None:
         """Replays go first: their clients are mid-stream. One that finds no worker by its deadline fails."""
         if not self._replays:
             return
-        now, waiting = time.perf_counter(), []
-        for ticket, lost, error, deadline in self._replays:
+        waiting = []
+        for replay in self._replays:
+            ticket, lost, error = replay.ticket, replay.lost, replay.error
             future = ticket._rebinding
             if future is None or future.done() or ticket._finished:
+                replay.timer.cancel()
                 continue
             version = ticket.version or self._choose_version(ticket.band)
             candidates = [w for w in self._candidates(ticket.band, version) if w is not lost]
@@ -462,12 +486,13 @@ class Gateway:
                 ticket.num_replays += 1
                 self.router.remember(worker, ticket.prompt_hashes)
                 self._count("replayed")
+                replay.timer.cancel()
                 future.set_result(worker)
-            elif self.closing or now >= deadline or self._version_gone(ticket, lost, error):
-                self._count("replay_failed")
-                future.set_exception(error)
+            elif self.closing or self._version_gone(ticket, lost, error):
+                replay.timer.cancel()
+                self._fail_replay(replay)
             else:
-                waiting.append((ticket, lost, error, deadline))
+                waiting.append(replay)
         self._replays = waiting
 
     def _version_gone(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> bool:

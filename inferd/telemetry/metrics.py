@@ -74,8 +74,8 @@ class Metrics:
         # the cluster
         self.replays = Counter("inferd_replays", "Streams moved to another worker mid-request, by why their worker "
                                "was lost (worker_lost: died or hung; drain: shut down)", ["reason"], registry=r)
-        self.desired_workers = Gauge("inferd_desired_workers", "Workers the autoscaler wants (for an HPA/KEDA)",
-                                     registry=r)
+        self.desired_workers = Gauge("inferd_desired_workers", "Workers the autoscaler wants (for an HPA/KEDA); "
+                                     "without an autoscaler, the workers attached", registry=r)
         self.rollout_state = Gauge("inferd_rollout_state", "1 for the rollout's current state", ["state"],
                                    registry=r)
         r.register(_EngineCollector(model, engine_stats))

@@ -4,9 +4,7 @@ tests compare tokens), prompts, and an undisturbed reference server."""
 from __future__ import annotations
 
 import pytest
-import torch
-
-CLUSTER_ARGS = ("--max-model-len", "256", "--kv-cache-bytes", "32M", "--heartbeat-interval", "0.1")
+from cluster_util import CLUSTER_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +31,3 @@ def reference_server(cluster):
     """One worker, never disturbed: what every request must equal."""
     return cluster("--workers", "1", name="reference")
 
-
-def random_prompts(n: int, lengths: tuple[int, int], seed: int = 5, vocab: int = 1000) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]

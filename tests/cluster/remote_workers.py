@@ -9,7 +9,7 @@ from pathlib import Path
 
 from servers import ENV, READY_TIMEOUT_S, kill_group, read_line
 
-from conftest import CLUSTER_ARGS
+from cluster_util import CLUSTER_ARGS
 
 
 @dataclass

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import random_prompts
+from cluster_util import random_prompts
 from streams import assert_same_stream, request_body, run_all, stream_completion
 
 import httpx
@@ -27,17 +27,20 @@ def bodies(prompts: list[list[int]]) -> list[dict]:
     return [request_body("tiny", p, MAX_TOKENS, None if i % 2 == 0 else 1000 + i) for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("phase,step", [("prefill", 3), ("decode", 6)])
-def test_kill_9_mid_stream_loses_nothing(cluster, reference_server, phase, step):
-    prompts = random_prompts(N_STREAMS, (20, 90), seed=7 if phase == "decode" else 8)
-    fault = f"action=crash,phase={phase},step={step},worker=worker-0"
-    server = cluster("--workers", "2", "--threads", "1", "--max-num-batched-tokens", "64",
-                     env={"INFERD_FAULT": fault}, name=f"crash-{phase}")
+@pytest.mark.parametrize("action,phase,step", [("crash", "prefill", 3), ("crash", "decode", 6),
+                                               ("hang", "decode", 4)])
+def test_a_worker_lost_mid_stream_loses_nothing(cluster, reference_server, action, phase, step):
+    """crash: kill -9 of itself; hang: SIGSTOP of itself (a local worker is then given up at the heartbeat
+    timeout, killed and restarted)."""
+    prompts = random_prompts(N_STREAMS, (20, 90), seed={"prefill": 8, "decode": 7}[phase] + (action == "hang"))
+    fault = f"action={action},phase={phase},step={step},worker=worker-0"
+    server = cluster("--workers", "2", "--threads", "1", "--max-num-batched-tokens", "64", "--heartbeat-timeout",
+                     "1.0", env={"INFERD_FAULT": fault}, name=f"{action}-{phase}")
     requests = bodies(prompts)
     ours = asyncio.run(run_all(server.url, requests))
     m = server.metrics()
     assert m.get('inferd_replays_total{reason="worker_lost"}', 0) >= 1, "the fault never hit a running stream"
-    assert "injected fault: crash" in server.log()
+    assert f"injected fault: {action}" in server.log()
     ref = asyncio.run(run_all(reference_server.url, requests))
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert_same_stream(a, b, requests[i], len(prompts[i]))

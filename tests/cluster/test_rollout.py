@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import random_prompts
+from cluster_util import random_prompts
 from servers import ENV
 from streams import request_body, stream_completion
 

@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import random_prompts
+from cluster_util import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
 

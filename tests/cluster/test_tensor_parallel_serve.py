@@ -7,7 +7,7 @@ import asyncio
 import os
 
 import pytest
-from conftest import random_prompts
+from cluster_util import random_prompts
 from streams import assert_same_stream, request_body, run_all
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import random_prompts
+from cluster_util import random_prompts
 from streams import assert_same_stream, request_body, run_all, stream_completion
 
 pytestmark = pytest.mark.timeout(240)
