@@ -139,6 +139,17 @@ def throughput(args) -> dict:
     return summary
 
 
+async def running_streams(client: httpx.AsyncClient, url: str, n: int, args, length: int, seed: int
+                          ) -> list[asyncio.Task]:
+    """Starts n streams and returns their tasks once every one has streamed 3 chunks."""
+    recs = [new_record() for _ in range(n)]
+    tasks = [asyncio.create_task(stream_one(client, url, p, length, r))
+             for p, r in zip(prompts(n, args.input_len, seed), recs)]
+    while not all(len(r["chunks"]) >= 3 for r in recs):
+        await asyncio.sleep(0.01)
+    return tasks
+
+
 def failover(args) -> dict:
     server = start_server(args.model, ["--workers", "2", "--threads", "1", "--admin-key", ADMIN], "failover")
     try:
@@ -147,17 +158,11 @@ def failover(args) -> dict:
 
         async def main():
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=600) as client:
-                ps = prompts(args.failover_streams, args.input_len, seed=7)
-                recs = [new_record() for _ in ps]
-                recs_tasks = [asyncio.create_task(stream_one(client, server.url, p, args.failover_len, r))
-                              for p, r in zip(ps, recs)]
-                while not all(len(r["chunks"]) >= 3 for r in recs):
-                    await asyncio.sleep(0.01)
-                killed_at = time.perf_counter()
+                tasks = await running_streams(client, server.url, args.failover_streams, args, args.failover_len, 7)
                 os.kill(pid, signal.SIGKILL)
-                return killed_at, await asyncio.gather(*recs_tasks)
+                return await asyncio.gather(*tasks)
 
-        killed_at, recs = asyncio.run(main())
+        recs = asyncio.run(main())
     finally:
         server.kill()
     moved = [r for r in recs if r["worker"] == "worker-0"]
@@ -174,12 +179,7 @@ def drain(args) -> dict:
     try:
         async def main():
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=600) as client:
-                ps = prompts(args.drain_streams, args.input_len, seed=9)
-                recs = [new_record() for _ in ps]
-                tasks = [asyncio.create_task(stream_one(client, server.url, p, args.drain_len, r))
-                         for p, r in zip(ps, recs)]
-                while not all(len(r["chunks"]) >= 2 for r in recs):
-                    await asyncio.sleep(0.01)
+                tasks = await running_streams(client, server.url, args.drain_streams, args, args.drain_len, 9)
                 sent = time.perf_counter()
                 server.proc.send_signal(signal.SIGTERM)
                 recs = await asyncio.gather(*tasks)

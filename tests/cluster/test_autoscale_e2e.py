@@ -5,23 +5,12 @@ is tested in test_autoscaler.py.)"""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
+from cluster_util import versions, wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def versions(server) -> dict:
-    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["versions"]
-
-
-def wait_for(predicate, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_load_starts_a_worker_and_its_absence_retires_it(cluster):

@@ -6,26 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
+from cluster_util import versions, wait_for
 import redis
 from remote_workers import start_worker
 from servers import kill_group
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def versions(server) -> dict:
-    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["versions"]
-
-
-def wait_for(predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_gateway_finds_registered_workers(cluster, redis_url, tiny_llama_dir, tmp_path):
