@@ -108,3 +108,36 @@ def test_a_stream_no_worker_can_take_over_ends_with_worker_lost(cluster):
     [s] = asyncio.run(run_all(server.url, [request_body("tiny", list(range(100, 130)), 60, None)]))
     assert s.done and [e["code"] for e in s.errors] == ["worker_lost"]
     assert 0 < len(s.tokens) < 60
+
+
+def test_every_choice_of_a_request_carries_on(cluster, reference_server):
+    """n=4 seeded choices (and a second, greedy request) on the worker that crashes: non-streaming answers, each
+    choice equal to the undisturbed server's by the exactness rule."""
+    server = cluster("--workers", "2", "--threads", "1", env={"INFERD_FAULT": "action=crash,phase=decode,step=4,"
+                                                                               "worker=worker-0"}, name="choices")
+    prompt = random_prompts(1, (30, 31), seed=61)[0]
+    sampled = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "n": 4, "seed": 77, "temperature": 0.9,
+               "top_k": 20, "logprobs": 20, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    greedy = {**sampled, "n": 1, "temperature": 0, "seed": None}
+
+    async def both(url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in (sampled, greedy)))
+
+    ours = asyncio.run(both(server.url))
+    assert server.metrics().get('inferd_replays_total{reason="worker_lost"}', 0) >= 1
+    ref = asyncio.run(both(reference_server.url))
+    for body, a, b in zip((sampled, greedy), ours, ref):
+        assert a.status_code == b.status_code == 200, a.text
+        for ca, cb in zip(a.json()["choices"], b.json()["choices"]):
+            seed = None if body["seed"] is None else body["seed"] + ca["index"]
+            assert_same_stream(as_stream(ca), as_stream(cb), {**body, "seed": seed}, len(prompt))
+
+
+def as_stream(choice: dict):
+    from streams import Stream
+
+    lp = choice["logprobs"]
+    return Stream(tokens=[int(t.removeprefix("token_id:")) for t in lp["tokens"]], logprobs=lp["token_logprobs"],
+                  tops=[{int(k.removeprefix("token_id:")): v for k, v in top.items()} for top in lp["top_logprobs"]],
+                  finish_reason=choice["finish_reason"], done=True)
