@@ -174,6 +174,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // args.workers)
     extra = ["--threads", str(threads), "--shutdown-grace", str(args.shutdown_grace)]
+    for flag, value in (("--peak-bandwidth", args.peak_bandwidth), ("--peak-flops", args.peak_flops)):
+        if value is not None:
+            extra += [flag, repr(value)]
     return _run_server(args, model_path, worker_args=worker_args(args, model_path) + extra, workers=args.workers)
 
 
@@ -233,6 +236,26 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def add_peak_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peak-bandwidth", type=parse_rate, default=None, metavar="BYTES_PER_S",
+                   help="the device's memory bandwidth for MBU (e.g. 4.8e12, 40G); default: calibrated once (cached)")
+    p.add_argument("--peak-flops", type=parse_rate, default=None, metavar="FLOP_PER_S",
+                   help="the device's FLOP/s in the engine's dtype for MFU (e.g. 989e12, 400G); default: calibrated")
+
+
+def parse_rate(text: str) -> float:
+    """A positive rate: 4.8e12, 40G, 989T."""
+    units = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    scale = units.get(text[-1:].upper(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 4.8e12 or 40G, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -464,7 +487,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                             worker_id=args.worker_id,
                             parent_pid=_PARENT_PID_AT_START if args.die_with_parent else None,
                             version=args.model_version, shutdown_grace=args.shutdown_grace, threads=args.threads,
-                            register=args.register, advertise=args.advertise)
+                            register=args.register, advertise=args.advertise, peak_bandwidth=args.peak_bandwidth,
+                            peak_flops=args.peak_flops)
     code = run_worker(engine_config(args), opts)
     # nothing is left to clean up: skip the interpreter's teardown (about a second with torch loaded), so that a
     # drained worker's exit is seen at once by whoever waits for it
@@ -485,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads per worker (default: the cores divided among the workers)")
     s.add_argument("--echo", action="store_true", help="run echo workers (no model; answers repeat the prompt's "
                    "tokens): measures the server alone (bench/gateway_overhead.py)")
+    add_peak_args(s)
     s.add_argument("--autoscale", action="store_true", help="start and retire local workers to match the "
                    "autoscaler's desired count (needs --worker-capacity)")
     add_engine_args(s)
@@ -534,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     kr.add_argument("key")
     k.set_defaults(func=cmd_keys)
 
+    pr = sub.add_parser("profile", help="roofline profile of the model on this device: decode batch x context and "
+                        "prefill sweeps, MBU/MFU, memory- or compute-bound, a roofline PNG")
+    from .bench.profile import add_profile_arguments, cmd_profile
+
+    add_profile_arguments(pr)
+    pr.set_defaults(func=cmd_profile)
+
     b = sub.add_parser("bench", help="load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
     from .bench.loadgen import add_bench_arguments
 
@@ -580,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="announce this worker in Redis (gateway --redis finds it); renewed every heartbeat")
     w.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="the address registered for gateways (default: the listening one)")
+    add_peak_args(w)
     w.add_argument("--echo", action="store_true", help="no model (only its config is read): every step gives each "
                    "request the next token of its prompt, until max_tokens")
     add_engine_args(w)

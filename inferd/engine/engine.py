@@ -17,6 +17,7 @@ from .kv_cache import KVCacheManager
 from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
+from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ class StepStats:
     num_tokens: int = 0  # tokens run through the model
     num_sampled: int = 0
     seconds: float = 0.0
+    bytes_read: int = 0  # weights + KV cache read, summed over steps (inferd/telemetry/roofline.py)
+    flops: int = 0
+    # the last step alone: seconds, prefill tokens, decode tokens, bytes read, FLOPs
+    last: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
 
 
 class Engine:
@@ -70,6 +75,9 @@ class Engine:
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel)
         self.sampler = Sampler()
+        weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
+        self.cost = model_cost(model_config, weight_bytes, dtype, torch.finfo(dtype).bits // 8,
+                               config.tensor_parallel)
         self.requests: dict[str, Request] = {}
         self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
@@ -184,9 +192,13 @@ class Engine:
         positions = [r.num_tokens for r in samplers]
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in samplers],
                                                [r.params.seed for r in samplers], positions, raw_logits)
-        self.stats.num_steps += 1
-        self.stats.num_tokens += sched.num_tokens
-        self.stats.num_sampled += len(samplers)
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_tokens += sched.num_tokens
+        stats.num_sampled += len(samplers)
+        queries = [s.num_tokens for s in sched.scheduled]
+        contexts = [s.request.num_computed_tokens + s.num_tokens for s in sched.scheduled]
+        step_bytes, step_flops = self.cost.step(queries, contexts, len(samplers))
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_tokens
         for i, (req, token) in enumerate(zip(samplers, tokens)):
@@ -197,7 +209,12 @@ class Engine:
         for s in sched.scheduled:
             if not s.request.is_finished:
                 self.kv_cache.cache_full_blocks(s.request)
-        self.stats.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        stats.seconds += seconds
+        stats.bytes_read += step_bytes
+        stats.flops += step_flops
+        decodes = sched.num_decodes
+        stats.last = (seconds, sched.num_tokens - decodes, decodes, step_bytes, step_flops)
         return outputs
 
     @torch.inference_mode()

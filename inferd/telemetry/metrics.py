@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                          1.0, 2.5, 5.0)
+UTILIZATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -71,6 +72,15 @@ class Metrics:
                                       registry=r)
         self.tenant_tokens = Counter("inferd_tenant_tokens", "Tokens charged to a tenant's quota (after refunds)",
                                      ["tenant"], registry=r)
+        # roofline (inferd/telemetry/roofline.py): what bounds a step
+        self.step_bytes = Counter("inferd_engine_bytes_read", "Bytes engine steps read (weights once per step, as "
+                                  "stored, + the KV cache attended)", registry=r)
+        self.step_flops = Counter("inferd_engine_flops", "FLOPs engine steps computed", registry=r)
+        self.step_mbu = Histogram("inferd_step_bandwidth_utilization", "Model-bandwidth utilisation of an engine "
+                                  "step: bytes read / step time / the device's peak bandwidth",
+                                  buckets=UTILIZATION_BUCKETS, registry=r)
+        self.step_mfu = Histogram("inferd_step_flops_utilization", "Model-FLOP utilisation of an engine step: FLOPs "
+                                  "/ step time / the device's peak FLOP/s", buckets=UTILIZATION_BUCKETS, registry=r)
         # the cluster
         self.replays = Counter("inferd_replays", "Streams moved to another worker mid-request, by why their worker "
                                "was lost (worker_lost: died or hung; drain: shut down)", ["reason"], registry=r)
@@ -83,6 +93,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+    def observe_step(self, hello, seconds: float, nbytes: int, flops: int) -> None:
+        """One engine step of a worker (hello: its peaks)."""
+        self.step_time.observe(seconds)
+        if seconds <= 0 or not nbytes:
+            return
+        self.step_bytes.inc(nbytes)
+        self.step_flops.inc(flops)
+        if hello is not None and hello.peak_bandwidth > 0 and hello.peak_flops > 0:
+            self.step_mbu.observe(nbytes / seconds / hello.peak_bandwidth)
+            self.step_mfu.observe(flops / seconds / hello.peak_flops)
 
 
 class _EngineCollector:

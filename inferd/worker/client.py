@@ -89,7 +89,9 @@ class WorkerClient:
         self.num_stale_outputs = 0  # entries dropped: their request is no longer streamed here, or another epoch
         self.errors: list[str] = []  # protocol errors the worker reported about what we sent
         # called with (step seconds, number of requests) for every `outputs` message of an engine step (metrics)
-        self.on_step: Callable[[float, int], None] | None = None
+        # called with (step seconds, number of requests, bytes read, FLOPs) for every `outputs` message of an engine
+        # step (metrics: step time, MBU, MFU)
+        self.on_step: Callable[[float, int, int, int], None] | None = None
         self.on_recover: list[Callable[[], None]] = []  # called when a given-up worker speaks again
         self._streams: dict[str, _Stream] = {}
         self._dead: WorkerDead | None = None
@@ -255,7 +257,7 @@ class WorkerClient:
         self.num_batched_output_messages += len(entries) > 1
         step_s = message.get("step_s")
         if self.on_step is not None and step_s is not None:
-            self.on_step(step_s, len(entries))
+            self.on_step(step_s, len(entries), message.get("bytes", 0), message.get("flops", 0))
         now = time.perf_counter()
         for entry in entries:
             out = WorkerOutput.from_wire(entry)

@@ -200,9 +200,13 @@ class EngineLoop:
             if out.finished:
                 del self._dispatches[out.request_id]
             batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(output_entry(out, dispatch.epoch))
-        step = self.engine.stats.num_steps
+        stats = self.engine.stats
+        cost = {}
+        if step_s is not None:  # what the step read and computed (roofline accounting), for MBU / MFU
+            _, prefill, decode, nbytes, flops = getattr(stats, "last", (0, 0, 0, 0, 0))
+            cost = {"bytes": nbytes, "flops": flops, "prefill_tokens": prefill, "decode_tokens": decode}
         for peer, entries in batches.values():
-            peer.send({"type": OUTPUTS, "step": step, "step_s": step_s, "outputs": entries})
+            peer.send({"type": OUTPUTS, "step": stats.num_steps, "step_s": step_s, "outputs": entries, **cost})
         self.stats = self._snapshot()
 
     def _snapshot(self) -> WorkerStats:

@@ -166,6 +166,8 @@ class WorkerHello:
     max_num_batched_tokens: int
     heartbeat_interval: float
     version: str = "v1"  # the model version this worker serves (rollouts route by it)
+    peak_bandwidth: float = 0.0  # bytes/s of its device (calibrated or given): MBU = bytes read / time / this
+    peak_flops: float = 0.0  # FLOP/s of its device in its dtype: MFU = FLOPs / time / this
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": HELLO, **dataclasses.asdict(self)}

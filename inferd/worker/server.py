@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from ..config import DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, EngineConfig
 from ..engine import Engine, InvalidRequestError
 from .engine_loop import EngineLoop
@@ -242,13 +244,14 @@ def model_name(config: EngineConfig) -> str:
 
 
 def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float,
-                version: str = DEFAULT_MODEL_VERSION) -> WorkerHello:
+                version: str = DEFAULT_MODEL_VERSION, peaks=None) -> WorkerHello:
     return WorkerHello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, pid=os.getpid(),
                        model=model_name(config), max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, eos_token_ids=sorted(engine.eos_token_ids),
                        kv_num_blocks=engine.kv_cache.num_blocks, kv_block_size=engine.kv_cache.block_size,
                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                       heartbeat_interval=heartbeat_interval, version=version)
+                       heartbeat_interval=heartbeat_interval, version=version,
+                       peak_bandwidth=peaks.bandwidth if peaks else 0.0, peak_flops=peaks.flops if peaks else 0.0)
 
 
 @contextlib.contextmanager
@@ -281,6 +284,8 @@ class WorkerRunOptions:
     threads: int | None = None  # torch intra-op threads (None: torch's default, every core)
     register: str | None = None  # a Redis URL: announce this worker there (gateway --redis discovers it)
     advertise: str | None = None  # HOST:PORT gateways should connect to (default: the listening address)
+    peak_bandwidth: float | None = None  # bytes/s; None: calibrated once per device (cached)
+    peak_flops: float | None = None  # FLOP/s
 
 
 def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
@@ -312,7 +317,14 @@ def _start_process(opts: WorkerRunOptions) -> None:
 def serve_engine(engine, config: EngineConfig, opts: WorkerRunOptions) -> int:
     """Serves a built engine (the model's or the echo one) until shutdown; returns the exit code."""
     worker_id = opts.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    hello = build_hello(engine, config, worker_id, opts.heartbeat_interval, opts.version)
+    device_peaks = None
+    if isinstance(engine, Engine):  # the echo engine reads no weights: nothing to compare with a peak
+        from ..telemetry.roofline import peaks
+
+        device_peaks = peaks(torch.device(config.device), engine.dtype, opts.peak_bandwidth, opts.peak_flops)
+        log.info("device peaks (%s): %.1f GB/s, %.1f GFLOP/s in %s; ridge point %.1f FLOP/byte", device_peaks.source,
+                 device_peaks.bandwidth / 1e9, device_peaks.flops / 1e9, engine.dtype, device_peaks.ridge)
+    hello = build_hello(engine, config, worker_id, opts.heartbeat_interval, opts.version, device_peaks)
     faults = FaultInjector.from_env(worker_id, opts.version)
     server = WorkerServer(engine, hello, opts.host, opts.port, opts.heartbeat_interval, faults=faults)
     for signum in (signal.SIGTERM, signal.SIGINT):

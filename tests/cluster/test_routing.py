@@ -62,3 +62,8 @@ def test_models_ready_and_metrics_cover_every_worker(two_workers):
     m = server.metrics()
     assert m['inferd_worker_up{version="v1",worker="worker-0"}'] == 1.0
     assert m['inferd_worker_up{version="v1",worker="worker-1"}'] == 1.0
+    # every engine step's roofline accounting (the requests above ran steps on both workers)
+    assert m["inferd_engine_bytes_read_total"] > 0 and m["inferd_engine_flops_total"] > 0
+    steps = m["inferd_step_bandwidth_utilization_count"]
+    assert steps > 0 and m["inferd_step_flops_utilization_count"] == steps
+    assert 0 < m["inferd_step_bandwidth_utilization_sum"] / steps < 2  # a mean MBU; over 1 = a wrong peak

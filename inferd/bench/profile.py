@@ -1,0 +1,235 @@
+"""`inferd profile`: where this model stops being memory-bound on this device.
+
+Sweeps decode batch size (1, 2, 4, ... up to what the KV pool holds at the context length) at a few context
+lengths, and prefill length, on the engine itself (the same scheduler, runner and sampler as serving); for each
+point it times engine steps and prints step time, tokens/s, bytes and FLOPs per step, MBU, MFU and the bound (memory
+when the step's arithmetic intensity is under the ridge point, peak FLOP/s / peak bandwidth). It writes a roofline
+plot (PNG): the attainable FLOP/s line min(peak FLOP/s, intensity x peak bandwidth) and every measured step on it.
+
+    inferd profile [--model M] [--dtype D] [--contexts 128,1024] [--max-batch 64] [--prefill 64,256,1024]
+                   [--steps 8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_CONTEXTS = (128, 1024)
+DEFAULT_PREFILL = (64, 256, 1024)
+
+
+@dataclass
+class Point:
+    kind: str  # decode | prefill
+    batch: int
+    context: int  # decode: the context attended; prefill: the prompt length
+    step_s: float
+    tokens_per_s: float
+    bytes: int
+    flops: int
+    mbu: float
+    mfu: float
+    intensity: float  # FLOPs per byte
+    bound: str
+
+
+def _point(kind: str, batch: int, context: int, seconds: list[float], nbytes: int, flops: int, tokens: int,
+           peaks) -> Point:
+    step_s = sorted(seconds)[len(seconds) // 2]  # median
+    intensity = flops / nbytes
+    return Point(kind, batch, context, step_s, tokens / step_s, nbytes, flops, nbytes / step_s / peaks.bandwidth,
+                 flops / step_s / peaks.flops, intensity, "memory" if intensity < peaks.ridge else "compute")
+
+
+def decode_point(engine, batch: int, context: int, steps: int, peaks) -> Point:
+    """batch requests with context-token prompts, prefilled (untimed), then `steps` decode steps timed."""
+    from ..engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        # distinct prompts: no prefix sharing between the rows
+        engine.add_request([(7 + 131 * i + 17 * j) % vocab for j in range(context - 1)], params)
+    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
+        engine.step()
+    seconds, nbytes, flops, tokens = [], 0, 0, 0
+    for _ in range(steps):
+        engine.step()
+        s, prefill, decode, b, f = engine.stats.last
+        if prefill or decode != batch:
+            break  # a request finished: the batch changed
+        seconds.append(s)
+        nbytes, flops, tokens = b, f, decode
+    _finish(engine)
+    return _point("decode", batch, context, seconds, nbytes, flops, tokens, peaks)
+
+
+def prefill_point(engine, length: int, repeats: int, peaks) -> Point:
+    from ..engine import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    seconds, nbytes, flops = [], 0, 0
+    for r in range(repeats):
+        engine.add_request([(11 + 97 * r + 29 * j) % vocab for j in range(length)],
+                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.step()
+        s, prefill, decode, b, f = engine.stats.last
+        seconds.append(s)
+        nbytes, flops = b, f
+        _finish(engine)
+    return _point("prefill", 1, length, seconds, nbytes, flops, length, peaks)
+
+
+def _finish(engine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    engine.take_pending_outputs()
+
+
+def run_profile(args) -> dict:
+    from ..config import EngineConfig
+    from ..engine import Engine
+    from ..telemetry.roofline import peaks as device_peaks
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    prefills = [int(p) for p in args.prefill.split(",")]
+    longest = max(contexts + prefills) + args.steps + 4
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+                          max_num_seqs=args.max_batch, max_num_batched_tokens=max(prefills + [args.max_batch * 2]),
+                          max_model_len=longest, enable_prefix_caching=False, detokenize=False)
+    engine = Engine.from_config(config)
+    peaks = device_peaks(torch.device(args.device), engine.dtype, args.peak_bandwidth, args.peak_flops)
+    points: list[Point] = []
+    for context in contexts:
+        batch = 1
+        fits = engine.kv_cache.num_blocks // engine.kv_cache.blocks_needed(context + args.steps + 2)
+        while batch <= min(args.max_batch, fits):
+            points.append(decode_point(engine, batch, context, args.steps, peaks))
+            _show(points[-1])
+            batch *= 2
+    for length in prefills:
+        points.append(prefill_point(engine, length, max(2, args.steps // 2), peaks))
+        _show(points[-1])
+    engine.close()
+    return {"model": os.path.basename(args.model or "SmolLM2-135M-Instruct"), "dtype": str(engine.dtype),
+            "device": args.device, "threads": torch.get_num_threads(), "weight_bytes": engine.cost.weight_bytes,
+            "peaks": {"bandwidth": peaks.bandwidth, "flops": peaks.flops, "ridge": peaks.ridge,
+                      "source": peaks.source}, "points": [asdict(p) for p in points]}
+
+
+def _show(p: Point) -> None:
+    print(f"  {p.kind:7s} batch {p.batch:3d} context {p.context:5d}: {p.step_s * 1000:8.2f} ms/step "
+          f"{p.tokens_per_s:9.1f} tok/s  MBU {p.mbu:6.1%}  MFU {p.mfu:6.1%}  {p.bound}", flush=True)
+
+
+def answer(result: dict) -> str:
+    """The question a user asks: from which decode batch size on is a step compute-bound, and where does MFU pass
+    half of its best?"""
+    lines = []
+    decode = [p for p in result["points"] if p["kind"] == "decode"]
+    for context in sorted({p["context"] for p in decode}):
+        rows = [p for p in decode if p["context"] == context]
+        compute = next((p["batch"] for p in rows if p["bound"] == "compute"), None)
+        best = max(p["mfu"] for p in rows)
+        half = next(p["batch"] for p in rows if p["mfu"] >= best / 2)
+        where = f"from batch {compute}" if compute else f"never up to batch {rows[-1]['batch']}"
+        lines.append(f"context {context}: compute-bound {where}; MFU passes half its best ({best:.1%}) at batch "
+                     f"{half}; batch-1 MBU {rows[0]['mbu']:.1%}")
+    return "\n".join(lines)
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    pk = result["peaks"]
+    table = Table(title=f"{result['model']} {result['dtype']} on {result['device']} ({result['threads']} threads): "
+                        f"peaks {pk['bandwidth'] / 1e9:.1f} GB/s, {pk['flops'] / 1e9:.1f} GFLOP/s ({pk['source']}), "
+                        f"ridge {pk['ridge']:.1f} FLOP/byte")
+    for name in ("kind", "batch", "context", "ms/step", "tok/s", "MB/step", "GFLOP/step", "FLOP/byte", "MBU", "MFU",
+                 "bound"):
+        table.add_column(name, justify="right")
+    for p in result["points"]:
+        table.add_row(p["kind"], str(p["batch"]), str(p["context"]), f"{p['step_s'] * 1000:.2f}",
+                      f"{p['tokens_per_s']:.1f}", f"{p['bytes'] / 1e6:.1f}", f"{p['flops'] / 1e9:.2f}",
+                      f"{p['intensity']:.1f}", f"{p['mbu']:.1%}", f"{p['mfu']:.1%}", p["bound"])
+    Console(width=150).print(table)
+    print(answer(result))
+
+
+def plot_roofline(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pk = result["peaks"]
+    points = result["points"]
+    lo = min(p["intensity"] for p in points) / 2
+    hi = max(max(p["intensity"] for p in points) * 2, pk["ridge"] * 4)
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.plot(xs, [min(pk["flops"], x * pk["bandwidth"]) / 1e9 for x in xs], color="black", label="roofline")
+    ax.axvline(pk["ridge"], color="gray", linestyle=":", label=f"ridge {pk['ridge']:.1f} FLOP/byte")
+    markers = {"decode": "o", "prefill": "s"}
+    for kind in ("decode", "prefill"):
+        for context in sorted({p["context"] for p in points if p["kind"] == kind}):
+            rows = [p for p in points if p["kind"] == kind and p["context"] == context]
+            if kind == "prefill":
+                rows = [p for p in points if p["kind"] == "prefill"]
+            label = f"decode, context {context}" if kind == "decode" else "prefill"
+            ax.plot([p["intensity"] for p in rows], [p["flops"] / p["step_s"] / 1e9 for p in rows],
+                    marker=markers[kind], linestyle="-", label=label)
+            for p in rows:
+                ax.annotate(str(p["batch"] if kind == "decode" else p["context"]),
+                            (p["intensity"], p["flops"] / p["step_s"] / 1e9), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+            if kind == "prefill":
+                break
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte read)")
+    ax.set_ylabel("GFLOP/s achieved")
+    ax.set_title(f"{result['model']} {result['dtype']} on {result['device']}: decode batch sizes and prefill lengths")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import parse_bytes
+
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
+    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="decode context lengths")
+    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (powers of 2 up to it)")
+    p.add_argument("--prefill", default=",".join(map(str, DEFAULT_PREFILL)), help="prefill lengths")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per point (the median is reported)")
+    p.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s (default: calibrated, cached)")
+    p.add_argument("--peak-flops", type=float, default=None, help="FLOP/s (default: calibrated, cached)")
+    p.add_argument("--out", default="profile", help="folder for profile.json and roofline.png")
+
+
+def cmd_profile(args) -> int:
+    started = time.perf_counter()
+    result = run_profile(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(result)
+    try:
+        plot_roofline(result, os.path.join(args.out, "roofline.png"))
+        print(f"wrote {args.out}/roofline.png and {args.out}/profile.json ({time.perf_counter() - started:.0f} s)")
+    except ImportError:
+        print(f"wrote {args.out}/profile.json; no plot: matplotlib is not installed")
+    return 0

@@ -1,0 +1,156 @@
+"""What an engine step costs in bytes and FLOPs, the device's peaks, and so what bounds the step (DESIGN.md, "The
+GPU side").
+
+Per step:
+- bytes read = every weight once, as stored (the matmul weights and the lm_head; an int8 weight counts 1 byte, its
+  scales their own; the embedding table only for the rows looked up), plus the KV cache each scheduled sequence
+  attends over (its whole context, every layer, K and V), plus the KV it writes;
+- FLOPs = 2 x matmul parameters x tokens run (the lm_head only for the rows sampled) + attention: 4 x layers x query
+  heads x head_dim x (query tokens x context attended), for QK^T and the weighted sum of V.
+Model-bandwidth utilisation (MBU) = bytes / time / peak bandwidth; model-FLOP utilisation (MFU) = FLOPs / time /
+peak FLOP/s. A step whose arithmetic intensity (FLOPs per byte) is under the ridge point (peak FLOP/s / peak
+bandwidth) is bound by memory, over it by compute.
+
+Peaks come from `--peak-bandwidth` / `--peak-flops`, else from a short calibration (a large copy; a 2048^3 matmul in
+the engine's dtype) run once per device, dtype and thread count and cached in INFERD_CACHE_DIR (default
+~/.cache/inferd)/peaks.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CALIBRATION_COPY_BYTES = 256 << 20  # far over any L3: DRAM bandwidth
+CALIBRATION_MATMUL_N = 2048
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A model's per-token costs, from its config and its weights as stored."""
+    weight_bytes: int  # read once per step: matmul weights, lm_head, norms (not the embedding table)
+    matmul_params: int  # per token through the decoder layers
+    lm_head_params: int  # per sampled row
+    embedding_row_bytes: int  # one embedding row
+    kv_bytes_per_token: int  # K and V of one token, every layer (this process's share under tensor parallelism)
+    attention_flops_per_pair: int  # FLOPs per (query token, attended token) pair, every layer
+
+    def step(self, query_tokens: list[int], contexts: list[int], sampled: int) -> tuple[int, int]:
+        """(bytes read, FLOPs) of one step: sequence i runs query_tokens[i] tokens and attends over contexts[i]
+        (its context after the step)."""
+        tokens = sum(query_tokens)
+        pairs = sum(q * c - q * (q - 1) // 2 for q, c in zip(query_tokens, contexts))  # causal within the chunk
+        flops = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled + self.attention_flops_per_pair \
+            * pairs
+        kv_read = self.kv_bytes_per_token * sum(contexts)
+        return self.weight_bytes + self.embedding_row_bytes * tokens + kv_read, flops
+
+
+def model_cost(config, weight_bytes: int, kv_dtype: torch.dtype, embedding_bytes_per_value: int,
+               tensor_parallel: int = 1) -> ModelCost:
+    """config: the model's ModelConfig; weight_bytes: what one step reads of this process's weights as stored (the
+    model's own count: packed, quantized or sharded as they are). Parameters per token come from the config."""
+    tp = tensor_parallel
+    h, hd, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp)
+    inter = config.intermediate_size // tp
+    per_layer = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h + 3 * h * inter
+    elt = torch.finfo(kv_dtype).bits // 8
+    return ModelCost(weight_bytes=weight_bytes, matmul_params=layers * per_layer,
+                     lm_head_params=h * config.vocab_size, embedding_row_bytes=h * embedding_bytes_per_value,
+                     kv_bytes_per_token=2 * layers * kv_heads * hd * elt,
+                     attention_flops_per_pair=4 * layers * heads * hd)
+
+
+# ---- peaks ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Peaks:
+    bandwidth: float  # bytes/s
+    flops: float  # FLOP/s
+    source: str  # "flags", "calibrated", "cache"
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte where a step turns from memory- to compute-bound."""
+        return self.flops / self.bandwidth
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("INFERD_CACHE_DIR") or Path.home() / ".cache" / "inferd") / "peaks.json"
+
+
+def device_key(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+    return f"{name}/{str(dtype).removeprefix('torch.')}/torch-{torch.__version__}"
+
+
+def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float | None = None,
+          flops: float | None = None) -> Peaks:
+    """The flags when both are given; else the cached calibration of this device, else a new one (cached)."""
+    if bandwidth and flops:
+        return Peaks(bandwidth, flops, "flags")
+    key, path = device_key(device, dtype), _cache_path()
+    cache = {}
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    entry = cache.get(key)
+    if entry is None:
+        entry = {"bandwidth": measure_bandwidth(device), "flops": measure_flops(device, dtype)}
+        cache[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass
+        source = "calibrated"
+    else:
+        source = "cache"
+    return Peaks(bandwidth or entry["bandwidth"], flops or entry["flops"], source)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_bandwidth(device: torch.device, nbytes: int = CALIBRATION_COPY_BYTES, repeats: int = 5) -> float:
+    """Copy bandwidth, bytes/s, read + write counted (the best of a few copies)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+@torch.inference_mode()
+def measure_flops(device: torch.device, dtype: torch.dtype, n: int = CALIBRATION_MATMUL_N, repeats: int = 3) -> float:
+    """Matmul FLOP/s in dtype (the best of a few n^3 products)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best

@@ -1,0 +1,73 @@
+"""Roofline accounting (bytes and FLOPs of a step, by hand on a small config) and `inferd profile` on the tiny
+Llama: its table's figures follow from the accounting and the given peaks, the bound from the ridge point, and a
+roofline PNG is written."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from inferd.bench.profile import add_profile_arguments, answer, cmd_profile, run_profile
+from inferd.models.config import ModelConfig
+from inferd.telemetry.roofline import Peaks, model_cost
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def small_config() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def test_step_cost_by_hand():
+    cost = model_cost(small_config(), weight_bytes=1000, kv_dtype=torch.float32, embedding_bytes_per_value=4)
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8, gate/up 8x16 each, down 16x8 = 64+32+32+64+384 = 576
+    assert cost.matmul_params == 2 * 576 and cost.lm_head_params == 8 * 100
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 2 * 4  # K and V, 2 layers, 2 KV heads, head_dim 2, fp32
+    # two decodes (contexts 10 and 20) and a 3-token prefill chunk ending at context 3; 2 rows sampled
+    nbytes, flops = cost.step([1, 1, 3], [10, 20, 3], sampled=2)
+    assert nbytes == 1000 + 8 * 4 * 5 + 64 * (10 + 20 + 3)  # weights, 5 embedding rows, the KV attended
+    pairs = 10 + 20 + (1 + 2 + 3)  # causal pairs within the prefill chunk
+    assert flops == 2 * 1152 * 5 + 2 * 800 * 2 + 4 * 2 * 4 * 2 * pairs
+    half = model_cost(small_config(), 500, torch.bfloat16, 2, tensor_parallel=2)  # one rank's share, bf16 KV
+    assert half.matmul_params == 576 and half.kv_bytes_per_token == 2 * 2 * 1 * 2 * 2
+    assert Peaks(10.0, 40.0, "flags").ridge == 4.0
+
+
+def test_profile_of_the_tiny_model(tiny_llama_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_profile_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--dtype", "float32", "--contexts", "32",
+                              "--max-batch", "4", "--prefill", "16,48", "--steps", "3", "--peak-bandwidth", "20e9",
+                              "--peak-flops", "100e9", "--out", str(tmp_path)])
+    result = run_profile(args)
+    points = result["points"]
+    assert [(p["kind"], p["batch"], p["context"]) for p in points] == \
+        [("decode", 1, 32), ("decode", 2, 32), ("decode", 4, 32), ("prefill", 1, 16), ("prefill", 1, 48)]
+    ridge = result["peaks"]["ridge"]
+    assert ridge == pytest.approx(5.0) and result["peaks"]["source"] == "flags"
+    for p in points:
+        assert p["mbu"] == pytest.approx(p["bytes"] / p["step_s"] / 20e9)
+        assert p["mfu"] == pytest.approx(p["flops"] / p["step_s"] / 100e9)
+        assert p["bound"] == ("memory" if p["flops"] / p["bytes"] < ridge else "compute")
+        assert p["bytes"] > result["weight_bytes"]  # the weights once, plus the KV cache and embedding rows
+    decode = [p for p in points if p["kind"] == "decode"]
+    # the weights are read once per step whatever the batch: intensity grows with the batch
+    assert decode[0]["intensity"] < decode[1]["intensity"] < decode[2]["intensity"]
+    assert decode[2]["flops"] == pytest.approx(4 * decode[0]["flops"], rel=0.05)
+    assert "context 32:" in answer(result)
+
+
+def test_profile_command_writes_the_plot(tiny_llama_dir, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_profile_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--dtype", "float32", "--contexts", "16",
+                              "--max-batch", "2", "--prefill", "16", "--steps", "2", "--peak-bandwidth", "20e9",
+                              "--peak-flops", "100e9", "--out", str(tmp_path)])
+    assert cmd_profile(args) == 0
+    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "profile.json").exists()
+    assert "MBU" in capsys.readouterr().out
