@@ -41,6 +41,8 @@ class Point:
 
 def _point(kind: str, batch: int, context: int, seconds: list[float], nbytes: int, flops: int, tokens: int,
            peaks) -> Point:
+    if not seconds:
+        raise RuntimeError(f"no clean {kind} step measured at batch {batch}, context {context}")
     step_s = sorted(seconds)[len(seconds) // 2]  # median
     intensity = flops / nbytes
     return Point(kind, batch, context, step_s, tokens / step_s, nbytes, flops, nbytes / step_s / peaks.bandwidth,
@@ -51,7 +53,10 @@ def decode_point(engine, batch: int, context: int, steps: int, peaks) -> Point:
     """batch requests with context-token prompts, prefilled (untimed), then `steps` decode steps timed."""
     from ..engine import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    # early rows decode while later ones still prefill (chunked): enough max_tokens that none finishes before the
+    # timed steps
+    budget = engine.config.max_num_batched_tokens
+    params = SamplingParams(max_tokens=steps + 4 + batch * context // budget, temperature=0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         # distinct prompts: no prefix sharing between the rows
@@ -99,7 +104,7 @@ def run_profile(args) -> dict:
 
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefill.split(",")]
-    longest = max(contexts + prefills) + args.steps + 4
+    longest = max(contexts + prefills) + args.steps + 8 + args.max_batch * max(contexts) // max(prefills + [64])
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
                           max_num_seqs=args.max_batch, max_num_batched_tokens=max(prefills + [args.max_batch * 2]),
                           max_model_len=longest, enable_prefix_caching=False, detokenize=False)

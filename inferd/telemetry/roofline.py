@@ -12,8 +12,8 @@ peak FLOP/s. A step whose arithmetic intensity (FLOPs per byte) is under the rid
 bandwidth) is bound by memory, over it by compute.
 
 Peaks come from `--peak-bandwidth` / `--peak-flops`, else from a short calibration (a large copy; a 2048^3 matmul in
-the engine's dtype) run once per device, dtype and thread count and cached in INFERD_CACHE_DIR (default
-~/.cache/inferd)/peaks.json.
+the engine's dtype) run once per device (and thread count; FLOP/s per dtype) and cached in INFERD_CACHE_DIR (default
+~/.cache/inferd)/peaks.json: delete it to calibrate again.
 """
 
 from __future__ import annotations
@@ -84,29 +84,34 @@ def _cache_path() -> Path:
     return Path(os.environ.get("INFERD_CACHE_DIR") or Path.home() / ".cache" / "inferd") / "peaks.json"
 
 
-def device_key(device: torch.device, dtype: torch.dtype) -> str:
+def device_key(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"cpu-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
-    return f"{name}/{str(dtype).removeprefix('torch.')}/torch-{torch.__version__}"
+    return f"{name}/torch-{torch.__version__}"
 
 
 def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float | None = None,
           flops: float | None = None) -> Peaks:
-    """The flags when both are given; else the cached calibration of this device, else a new one (cached)."""
+    """The flags when both are given; else the cached calibration of this device (bandwidth: one per device;
+    FLOP/s: one per device and dtype), else a new one (cached)."""
     if bandwidth and flops:
         return Peaks(bandwidth, flops, "flags")
-    key, path = device_key(device, dtype), _cache_path()
+    key, path = device_key(device), _cache_path()
     cache = {}
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    entry = cache.get(key)
-    if entry is None:
-        entry = {"bandwidth": measure_bandwidth(device), "flops": measure_flops(device, dtype)}
-        cache[key] = entry
+    entry = cache.setdefault(key, {})
+    dtype_name = str(dtype).removeprefix("torch.")
+    missing = "bandwidth" not in entry or f"flops/{dtype_name}" not in entry
+    if "bandwidth" not in entry:
+        entry["bandwidth"] = measure_bandwidth(device)
+    if f"flops/{dtype_name}" not in entry:
+        entry[f"flops/{dtype_name}"] = measure_flops(device, dtype)
+    if missing:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -114,10 +119,8 @@ def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float | None = No
             tmp.replace(path)
         except OSError:
             pass
-        source = "calibrated"
-    else:
-        source = "cache"
-    return Peaks(bandwidth or entry["bandwidth"], flops or entry["flops"], source)
+    return Peaks(bandwidth or entry["bandwidth"], flops or entry[f"flops/{dtype_name}"],
+                 "calibrated" if missing else "cache")
 
 
 def _sync(device: torch.device) -> None:
@@ -126,7 +129,7 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_bandwidth(device: torch.device, nbytes: int = CALIBRATION_COPY_BYTES, repeats: int = 5) -> float:
+def measure_bandwidth(device: torch.device, nbytes: int = CALIBRATION_COPY_BYTES, repeats: int = 8) -> float:
     """Copy bandwidth, bytes/s, read + write counted (the best of a few copies)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
