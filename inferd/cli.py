@@ -52,13 +52,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split each layer over N processes (devices); N must divide the heads, KV heads and MLP size")
+    p.add_argument("--quantize", default=None, choices=["int8"],
+                   help="int8: weight-only int8 with a scale per output channel (half of bf16's weight bytes; "
+                        "needs --dtype bfloat16 or float16)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel)
+                        enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                        quantize=args.quantize)
 
 
 def _stream(engine, request_id: str, out=sys.stdout) -> None:
@@ -154,6 +158,8 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
         out.append("--no-prefix-caching")
     if args.tensor_parallel != 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
+    if args.quantize is not None:
+        out += ["--quantize", args.quantize]
     if getattr(args, "echo", False):
         out.append("--echo")
     return out

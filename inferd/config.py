@@ -92,6 +92,10 @@ class EngineConfig:
     # processes (devices) each decoder layer is split over, Megatron style (inferd/models/parallel.py); with N > 1
     # each device holds 1/N of the KV heads, so kv_cache_bytes (per device) holds N times the tokens
     tensor_parallel: int = 1
+    # None, or "int8": weight-only int8 (inferd/models/quantize.py), every Linear with per-output-channel scales;
+    # needs 16-bit activations (refused with float32). Weights take half the bytes of bf16; on a CPU it is faster for
+    # single-sequence decoding and slower for batched steps (the measurements are in quantize.py's docstring)
+    quantize: str | None = None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -94,20 +94,24 @@ class Engine:
         """progress(done, total): called as weight tensors load."""
         from ..models.build import load_model
         from ..models.loader import default_model_path
+        from ..models.quantize import check_quantization, quantize_model
 
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)
+        check_quantization(config.quantize, dtype)  # before anything loads or starts
         if config.tensor_parallel != 1:
             from ..models.parallel import load_tensor_parallel
 
             model, model_config, tokenizer, parallel = load_tensor_parallel(path, config, dtype, progress)
             try:
+                quantize_model(model, config.quantize)  # rank 0's shard (ranks 1..N-1 quantize theirs in run_rank)
                 return cls(model, model_config, config, dtype, tokenizer, parallel)
             except BaseException:
                 parallel.close()
                 raise
         model, model_config, tokenizer = load_model(path, dtype=dtype, device=config.device,
                                                     max_positions=config.max_model_len, progress=progress)
+        quantize_model(model, config.quantize)
         return cls(model, model_config, config, dtype, tokenizer)
 
     def close(self) -> None:

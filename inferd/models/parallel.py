@@ -334,6 +334,7 @@ def run_rank(spec: dict) -> int:
 
     from ..engine.runner import ModelRunner
     from .loader import load_model_config, load_state_dict
+    from .quantize import quantize_model
 
     _exit_when_parent_dies(spec["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
@@ -350,6 +351,7 @@ def run_rank(spec: dict) -> int:
     state = load_state_dict(spec["path"], model_config, dtype)
     model = build_shard(model_config, state, dtype, device, config.max_model_len, tp, rank, group)
     del state
+    quantize_model(model, config.quantize)  # this rank's shard: per-output-channel scales of its own rows
     runner = ModelRunner(model, model_config, spec["num_blocks"], config.block_size, dtype, device, tp)
     store.set(f"ready{rank}", "1")
     with open(0, "rb", closefd=False) as steps:

@@ -1,0 +1,224 @@
+"""Weight-only int8 quantization (`--quantize int8`): the Int8Linear module, quantize_model (which swaps a loaded
+model's Linears for it, in place) and weight_bytes (a model's bytes as stored, int8 counted as 1 byte).
+
+Every Linear (q/k/v, o, gate/up, down and the lm_head) keeps an int8 weight [out, in] and one symmetric scale per
+output channel (scale = max |w| of the row / 127, zero point 0); activations stay in the model's dtype. A tied
+lm_head is already its own Linear (llama.py), so quantizing it leaves the embedding table untouched.
+
+Kernels, measured on this project's CPU (2-core EPYC with AVX-512 BF16, torch 2.13, SmolLM2-135M's 121 matrices):
+- `torch.ops.aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` exists on CPU only (no CUDA kernel);
+  x must be 2-D with a contiguous last dimension, w contiguous, scales of x's dtype; it **crashes the process**
+  (SIGSEGV) when K is not a multiple of 16. With bf16 activations, all matrices at M = 1 took 9.3 ms against
+  13.0 ms for the bf16 oneDNN Linear, but its cost grows ~linearly with M (M = 16: 43 ms vs 18 ms; M = 256: 539 ms
+  vs 166 ms): it only pays for a few rows. With fp32 activations it is slow at any M (56 ms at M = 1, 900 ms at
+  M = 16, against 23 / 31 ms for fp32 oneDNN).
+- Elsewhere (more rows, other dtypes, other devices) the weight is converted to the activation dtype a chunk of
+  output rows at a time (the temporary stays in cache), multiplied, and the output scaled per channel:
+  x (w * s)^T = (x w^T) * s. M = 16: 30 ms, M = 256: 194 ms for all matrices.
+So int8 speeds up batch-1 decoding in bf16 and is slower than bf16 for batched steps and prefill on this CPU; it
+always saves memory (weights 1/2 of bf16, 1/4 of fp32). Whole engine steps (bench/quantization.py): batch 1
+0.80-0.99x the bf16 step time, batch 16 1.2-1.8x, a 453-token prefill 1.1-1.4x; quality against bf16 on that
+bench's text: mean KL 0.010 nats, top-1 agreement 0.956. The engine refuses it with fp32 activations
+(check_quantization): there every path measured 2-29x slower than the unquantized fp32 model.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .llama import Linear
+
+QUANTIZE_MODES = ("int8",)
+INT8_MAX = 127  # symmetric: -127..127 (-128 unused, so that w and -w quantize alike)
+INT8PACK_K_MULTIPLE = 16  # _weight_int8pack_mm segfaults on other input sizes (torch 2.13 CPU)
+# rows up to which _weight_int8pack_mm beats the convert-and-multiply path (all of SmolLM2's matrices, bf16:
+# M = 4: 15.6 vs 21.8 ms, M = 8: 26.0 vs 24.2 ms)
+INT8PACK_MAX_ROWS = 6
+DEQUANT_CHUNK_BYTES = 4 << 20  # the converted weight rows of one chunk of the fallback path
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantization {mode!r} (choose one of: {', '.join(QUANTIZE_MODES)})")
+
+
+def check_quantization(mode: str | None, dtype: torch.dtype) -> None:
+    """ValueError for an unknown mode, or for int8 with float32 activations (slower than not quantizing)."""
+    if mode is None:
+        return
+    _check_mode(mode)
+    if dtype == torch.float32:
+        raise ValueError(
+            "--quantize int8 needs 16-bit activations: with float32 the int8 kernels ran 2-29x slower than the "
+            "unquantized float32 model on CPU. Use --dtype bfloat16 (on a CPU with AVX-512 BF16 or AMX, or a GPU)")
+
+
+@torch.no_grad()
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [out, in], scales [out] in scale_dtype) with w ~= q * scale[:, None]. The scale is rounded to
+    scale_dtype before the weight is divided by it, so the int8 values fit the scale that is actually used."""
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)).to(scale_dtype)
+    q = torch.round(w / scale.to(torch.float32)[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scale
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused buffer (per thread, dtype and device) that the fallback converts weight chunks into: no allocation
+    of a weight-sized temporary per matmul, and the same cache-resident addresses every time."""
+    buffers = getattr(_scratch_local, "buffers", None)
+    if buffers is None:
+        buffers = _scratch_local.buffers = {}
+    key = (dtype, device)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buf = buffers[key] = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // _element_size(dtype)), dtype=dtype,
+                                             device=device)
+    return buf
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Int8Linear(Linear):
+    """y = x (W_int8 * scale[:, None])^T + b. A Linear (llama.py) to the rest of the model: same load() (which
+    quantizes), pack() (a no-op), and `weight` (here int8), so the model's weight accounting counts it as stored."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)  # not Linear.__init__: no full-precision weight is ever allocated
+        if weight.dtype != torch.int8 or weight.dim() != 2:
+            raise ValueError(f"Int8Linear needs a 2-D int8 weight, got {weight.dtype} {tuple(weight.shape)}")
+        if tuple(scales.shape) != (weight.shape[0],):
+            raise ValueError(f"scales shape {tuple(scales.shape)}, expected ({weight.shape[0]},)")
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(scales.dtype), requires_grad=False)
+        self.packed = None
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> Int8Linear:
+        """Quantize a full-precision weight; scales (and bias) in dtype (default: the weight's)."""
+        q, scales = quantize_int8(weight, dtype or weight.dtype)
+        return cls(q, scales, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def uses_int8pack(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs _weight_int8pack_mm (else it converts the weight a chunk at a time)."""
+        rows = x.numel() // max(1, self.in_features)
+        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.scales.dtype == x.dtype
+                and self.in_features % INT8PACK_K_MULTIPLE == 0 and 0 < rows <= INT8PACK_MAX_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.uses_int8pack(x2):
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = self._convert_matmul(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _convert_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        scales = self.scales.to(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        rows = min(self.out_features, max(1, DEQUANT_CHUNK_BYTES // (self.in_features * x.element_size())))
+        buf = _scratch(rows * self.in_features, dtype, x.device)
+        parts = []
+        for i in range(0, self.out_features, rows):
+            w = self.weight[i:i + rows]
+            w_conv = buf[:w.numel()].view(w.shape).copy_(w)
+            part = F.linear(x, w_conv) * scales[i:i + rows]
+            parts.append(part if bias is None else part + bias[i:i + rows])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    @torch.no_grad()
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full-precision weight this module stands for: w_int8 * scale, in dtype (default: the scales')."""
+        dtype = dtype or self.scales.dtype
+        return (self.weight.to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(dtype)
+
+    @torch.no_grad()
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Quantize and store a new full-precision weight of the same shape."""
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {tuple(self.weight.shape)}")
+        q, scales = quantize_int8(weight, self.scales.dtype)
+        self.weight.copy_(q)
+        self.scales.copy_(scales)
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+    def pack(self) -> bool:
+        return False
+
+
+def _float_weight(linear: Linear) -> torch.Tensor:
+    """A Linear's weight, also when it was repacked for oneDNN (build_model packs on CPU and frees the plain one)."""
+    return linear.packed.to_dense() if linear.packed is not None else linear.weight.detach()
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str | None) -> int:
+    """Replace every full-precision Linear of model (the decoder layers' and the lm_head; inside tensor-parallel
+    wrappers too) by its quantized version, in place, dropping the full-precision weights. Returns how many were
+    replaced; mode None does nothing. ValueError for an unknown mode. Float32 works (it is exact to the dequantized
+    weights) but is slow: the engine refuses it first (check_quantization); tests and benchmarks may use it."""
+    if mode is None:
+        return 0
+    _check_mode(mode)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is Linear]
+    if not targets:
+        return 0
+    dtype = targets[0][1].weight.dtype
+    if targets[0][1].weight.device.type != "cpu":
+        warnings.warn("int8 weights on a GPU: torch has no fused int8-weight kernel there, so each matmul converts "
+                      "its weight first; this saves memory but is slower than unquantized bf16", stacklevel=2)
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight = _float_weight(linear)
+        bias = None if linear.bias is None else linear.bias.detach()
+        setattr(parent, attr, Int8Linear.from_float(weight, bias, dtype))
+        del weight, bias
+        linear.packed = None  # free the full-precision weight now, not when the old module is collected
+        linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=linear.weight.device), requires_grad=False)
+    return len(targets)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as stored (an int8 weight 1 byte per value, scales and
+    everything else at their own dtype), plus any Linear's oneDNN-packed weight (which is neither). Shared tensors
+    count once. This is the whole model, the embedding table and rotary tables included; LlamaForCausalLM's own
+    weight_bytes() is what one decode step reads (no embedding table; Int8Linear counted by its int8 weight)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            tensors.append(packed)
+        for t in tensors:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
