@@ -20,11 +20,14 @@ from .config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_WORKERS, DEFAULT_MI
                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_SHUTDOWN_GRACE_S,
                      DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE, DEFAULT_ROLLOUT_MAX_LATENCY_RATIO,
                      DEFAULT_ROLLOUT_MIN_REQUESTS, DEFAULT_WARM_LEAD_S, WORKER_START_TIMEOUT_S)
+from .config import (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_SPECULATIVE_MAX_BATCH,
+                     MAX_NUM_DRAFT, SPECULATIVE_METHODS)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
                      DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
+from .config import KV_DTYPES
 from .gateway.line import POLICIES
 
 
@@ -41,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 where the device computes it natively, else fp32")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="the KV cache's storage dtype (auto: the activations'); bfloat16 or float8_e4m3fn hold 2x or "
+                        "4x the tokens of fp32 in --kv-cache-bytes, attention still computes in --dtype")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="size of the KV cache pool (default 1G)")
@@ -55,14 +61,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="int8: weight-only int8 with a scale per output channel (half of bf16's weight bytes; "
                         "needs --dtype bfloat16 or float16)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at start")
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
+                    help="ngram: draft tokens by prompt lookup, verified in one forward pass; outputs unchanged "
+                         "(default: off)")
+    sp.add_argument("--num-draft", type=int, default=DEFAULT_NUM_DRAFT,
+                    help=f"draft tokens per sequence and step (1..{MAX_NUM_DRAFT}, default {DEFAULT_NUM_DRAFT})")
+    sp.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN,
+                    help=f"shortest suffix looked up (default {DEFAULT_NGRAM_MIN})")
+    sp.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX,
+                    help=f"longest suffix looked up (default {DEFAULT_NGRAM_MAX})")
+    sp.add_argument("--speculative-max-batch", type=int, default=DEFAULT_SPECULATIVE_MAX_BATCH,
+                    help="no drafts in a step with more decoding sequences than this "
+                         f"(default {DEFAULT_SPECULATIVE_MAX_BATCH})")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
+                        block_size=args.block_size,
                         kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
-                        quantize=args.quantize)
+                        quantize=args.quantize, speculative=args.speculative, num_draft=args.num_draft,
+                        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                        speculative_max_batch=args.speculative_max_batch, cuda_graphs=not args.no_cuda_graphs)
 
 
 def _stream(engine, request_id: str, out=sys.stdout) -> None:
@@ -148,7 +172,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
     """The engine options of `inferd serve`, as `inferd worker` arguments."""
-    out = ["--model", model_path, "--dtype", args.dtype, "--device", args.device,
+    out = ["--model", model_path, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--device", args.device,
            "--kv-cache-bytes", str(args.kv_cache_bytes), "--block-size", str(args.block_size),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--heartbeat-interval", str(args.heartbeat_interval)]
@@ -160,6 +184,12 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
     if args.quantize is not None:
         out += ["--quantize", args.quantize]
+    if args.no_cuda_graphs:
+        out.append("--no-cuda-graphs")
+    if args.speculative is not None:
+        out += ["--speculative", args.speculative, "--num-draft", str(args.num_draft), "--ngram-min",
+                str(args.ngram_min), "--ngram-max", str(args.ngram_max), "--speculative-max-batch",
+                str(args.speculative_max_batch)]
     if getattr(args, "echo", False):
         out.append("--echo")
     return out

@@ -9,9 +9,17 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16, ~91k in float8
 DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # token budget of one step (decodes + prefill chunks)
+SPECULATIVE_METHODS = ("ngram",)  # `--speculative`: prompt lookup (inferd/engine/speculative.py)
+DEFAULT_NUM_DRAFT = 4  # `--num-draft`: draft tokens verified per step per sequence
+DEFAULT_NGRAM_MIN = 2  # `--ngram-min`: shortest suffix looked up (1 proposes on any repeated token)
+DEFAULT_NGRAM_MAX = 4  # `--ngram-max`: longest suffix looked up
+# `--speculative-max-batch`: a step with more decoding sequences than this verifies no drafts; once a step is
+# compute-bound, extra rows cost their full price and rejected drafts are pure loss (vLLM: disable_by_batch_size)
+DEFAULT_SPECULATIVE_MAX_BATCH = 8
+MAX_NUM_DRAFT = 16  # the most `--num-draft` may ask for
 TENSOR_PARALLEL_TIMEOUT_S = 300.0  # an all-reduce that waits this long for another rank fails
 
 # worker protocol (inferd/worker)
@@ -78,6 +86,11 @@ DEFAULT_ROLLOUT_MAX_LATENCY_RATIO = 1.5  # rollback when its median TTFT or TPOT
 class EngineConfig:
     model: str | None = None  # a HF folder or a .gguf file; None = the default SmolLM2 GGUF
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # the KV cache's storage dtype, one of KV_DTYPES: "auto" = the activation dtype. A narrower one holds more tokens
+    # in kv_cache_bytes (bf16 under fp32: 2x; float8_e4m3fn: 2x under bf16, 4x under fp32); attention dequantizes
+    # the blocks it reads to the activation dtype and computes there. On SmolLM2 bf16 KV is lossless, float8 is not
+    # (mean KL ~0.05 against bf16, docs/benchmarks.md)
+    kv_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -96,6 +109,16 @@ class EngineConfig:
     # needs 16-bit activations (refused with float32). Weights take half the bytes of bf16; on a CPU it is faster for
     # single-sequence decoding and slower for batched steps (the measurements are in quantize.py's docstring)
     quantize: str | None = None
+    # decode steps replayed as CUDA graphs, captured at start for a ladder of batch sizes (inferd/engine/cuda_graph.py);
+    # only on CUDA (and one process): ignored on a CPU and under tensor parallelism
+    cuda_graphs: bool = True
+    # None, or "ngram": speculative decoding by prompt lookup (inferd/engine/speculative.py); outputs are those of
+    # plain decoding (greedy and seeded sampling alike), steps that accept drafts emit several tokens
+    speculative: str | None = None
+    num_draft: int = DEFAULT_NUM_DRAFT
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
 
 
 def cpu_has_native_bf16() -> bool:
@@ -124,3 +147,17 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+KV_DTYPES = ("auto", "bfloat16", "float16", "float8_e4m3fn")  # `--kv-dtype`
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype under activations in dtype: auto = dtype. float8_e4m3fn is stored unscaled (as
+    vLLM's fp8 cache without calibrated scales): values past +-448 saturate, and SmolLM2's keys and values stay far
+    below that. ValueError for a name not in KV_DTYPES."""
+    import torch
+
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r} (choose {', '.join(KV_DTYPES)})")
+    return dtype if name == "auto" else getattr(torch, name)

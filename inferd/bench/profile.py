@@ -6,8 +6,8 @@ point it times engine steps and prints step time, tokens/s, bytes and FLOPs per 
 when the step's arithmetic intensity is under the ridge point, peak FLOP/s / peak bandwidth). It writes a roofline
 plot (PNG): the attainable FLOP/s line min(peak FLOP/s, intensity x peak bandwidth) and every measured step on it.
 
-    inferd profile [--model M] [--dtype D] [--contexts 128,1024] [--max-batch 64] [--prefill 64,256,1024]
-                   [--steps 8] [--out DIR]
+    inferd profile [--model M] [--dtype D] [--kv-dtype K] [--contexts 128,1024] [--max-batch 64]
+                   [--prefill 64,256,1024] [--steps 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def run_profile(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     prefills = [int(p) for p in args.prefill.split(",")]
     longest = max(contexts + prefills) + args.steps + 8 + args.max_batch * max(contexts) // max(prefills + [64])
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+    config = EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
+                          kv_cache_bytes=args.kv_cache_bytes,
                           max_num_seqs=args.max_batch, max_num_batched_tokens=max(prefills + [args.max_batch * 2]),
                           max_model_len=longest, enable_prefix_caching=False, detokenize=False)
     engine = Engine.from_config(config)
@@ -123,6 +124,7 @@ def run_profile(args) -> dict:
         _show(points[-1])
     engine.close()
     return {"model": os.path.basename(args.model or "SmolLM2-135M-Instruct"), "dtype": str(engine.dtype),
+            "kv_dtype": str(engine.kv_dtype),
             "device": args.device, "threads": torch.get_num_threads(), "weight_bytes": engine.cost.weight_bytes,
             "peaks": {"bandwidth": peaks.bandwidth, "flops": peaks.flops, "ridge": peaks.ridge,
                       "source": peaks.source}, "points": [asdict(p) for p in points]}
@@ -154,7 +156,9 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     pk = result["peaks"]
-    table = Table(title=f"{result['model']} {result['dtype']} on {result['device']} ({result['threads']} threads): "
+    kv = result.get("kv_dtype", result["dtype"])
+    dtypes = result["dtype"] if kv == result["dtype"] else f"{result['dtype']} (KV {kv})"
+    table = Table(title=f"{result['model']} {dtypes} on {result['device']} ({result['threads']} threads): "
                         f"peaks {pk['bandwidth'] / 1e9:.1f} GB/s, {pk['flops'] / 1e9:.1f} GFLOP/s ({pk['source']}), "
                         f"ridge {pk['ridge']:.1f} FLOP/byte")
     for name in ("kind", "batch", "context", "ms/step", "tok/s", "MB/step", "GFLOP/step", "FLOP/byte", "MBU", "MFU",
@@ -211,9 +215,11 @@ def plot_roofline(result: dict, path: str) -> None:
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli import parse_bytes
+    from ..config import KV_DTYPES
 
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV cache's storage dtype")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="decode context lengths")

@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import EngineConfig, resolve_dtype
+from ..config import MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype, resolve_kv_dtype
 from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
 from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
+from .cuda_graph import DecodeGraphs, wants_decode_graphs
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
 from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
+from .speculative import NgramIndex, propose_ngram
 
 if TYPE_CHECKING:
     from ..models.parallel import TensorParallelGroup
@@ -47,8 +49,32 @@ class StepStats:
     seconds: float = 0.0
     bytes_read: int = 0  # weights + KV cache read, summed over steps (inferd/telemetry/roofline.py)
     flops: int = 0
-    # the last step alone: seconds, prefill tokens, decode tokens, bytes read, FLOPs
+    spec_drafted: int = 0  # speculative draft tokens verified
+    spec_accepted: int = 0  # of which accepted (each one a token that cost no step of its own)
+    # the last step alone: seconds, prefill tokens, decode tokens (speculative rows included), bytes read, FLOPs
     last: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
+    last_spec: tuple[int, int] = (0, 0)  # the last step's draft tokens verified, and accepted
+
+
+def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One request's outputs of one step (several tokens when drafts were accepted) as one output."""
+    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.new_text + b.new_text, b.finished,
+                         b.finish_reason, b.stop_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens,
+                         a.logprobs + b.logprobs)
+
+
+def check_speculative(config: EngineConfig) -> None:
+    """ValueError for speculative settings that can't run (before anything loads)."""
+    if config.speculative is None:
+        return
+    if config.speculative not in SPECULATIVE_METHODS:
+        raise ValueError(f"unknown speculative method {config.speculative!r} (choose {', '.join(SPECULATIVE_METHODS)})")
+    if not 1 <= config.num_draft <= MAX_NUM_DRAFT:
+        raise ValueError(f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {config.num_draft}")
+    if not 1 <= config.ngram_min <= config.ngram_max:
+        raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {config.ngram_min} and {config.ngram_max}")
+    if config.speculative_max_batch < 1:
+        raise ValueError(f"speculative_max_batch must be at least 1, got {config.speculative_max_batch}")
 
 
 class Engine:
@@ -61,22 +87,29 @@ class Engine:
         if config.tensor_parallel != 1 and (parallel is None or parallel.world_size != config.tensor_parallel):
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a model shard and its other ranks: "
                              "build the engine with Engine.from_config")
+        check_speculative(config)
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # the cache's storage; attention computes in dtype
         self.tokenizer = tokenizer
-        per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.tensor_parallel)
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype, config.tensor_parallel)
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
+        decode_graphs = wants_decode_graphs(config) and num_blocks > 1
+        self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
-                                  config.tensor_parallel, parallel)
+                                  config.tensor_parallel, parallel, kv_dtype=self.kv_dtype)
+        if decode_graphs:
+            self.runner.decode_graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len,
+                                                     scratch_block=num_blocks - 1).capture()
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
-        self.cost = model_cost(model_config, weight_bytes, dtype, torch.finfo(dtype).bits // 8,
+        self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
                                config.tensor_parallel)
         self.requests: dict[str, Request] = {}
         self._text: dict = {}  # request id -> TextWithStops
@@ -98,7 +131,9 @@ class Engine:
 
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)
+        check_speculative(config)
         check_quantization(config.quantize, dtype)  # before anything loads or starts
+        resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
         if config.tensor_parallel != 1:
             from ..models.parallel import load_tensor_parallel
 
@@ -186,30 +221,51 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
+        if self.config.speculative:
+            self._propose_drafts()
         sched = self.last_schedule = self.scheduler.schedule()
         if not sched:
             return outputs
         t0 = time.perf_counter()
+        drafted_before, accepted_before = self.stats.spec_drafted, self.stats.spec_accepted
         logits = self.runner.execute(sched)
-        samplers = [s.request for s in sched.scheduled if s.samples]
-        raw_logits = self._process_logits(logits, samplers)
-        positions = [r.num_tokens for r in samplers]
-        tokens, logprobs = self.sampler.sample(logits, [r.params for r in samplers],
-                                               [r.params.seed for r in samplers], positions, raw_logits)
+        # (request, draft tokens, logits rows) of every request that samples, read before num_computed_tokens moves
+        samplers = [(s.request, s.request.draft_token_ids[:s.num_draft], s.num_logits)
+                    for s in sched.scheduled if s.samples]
+        # one logits row per sampled position: a request verifying k drafts has k + 1 of them, at positions
+        # num_tokens .. num_tokens + k (the sampler's draw depends on the position, never on the batch)
+        row_reqs = [r for r, _, n in samplers for _ in range(n)]
+        positions = [r.num_tokens + j for r, _, n in samplers for j in range(n)]
+        raw_logits = self._process_logits(logits, row_reqs)
+        tokens, logprobs = self.sampler.sample(logits, [r.params for r in row_reqs],
+                                               [r.params.seed for r in row_reqs], positions, raw_logits)
         stats = self.stats
         stats.num_steps += 1
         stats.num_tokens += sched.num_tokens
-        stats.num_sampled += len(samplers)
         queries = [s.num_tokens for s in sched.scheduled]
         contexts = [s.request.num_computed_tokens + s.num_tokens for s in sched.scheduled]
-        step_bytes, step_flops = self.cost.step(queries, contexts, len(samplers))
+        step_bytes, step_flops = self.cost.step(queries, contexts, len(row_reqs))
         for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-        for i, (req, token) in enumerate(zip(samplers, tokens)):
-            if req.debug_logits is not None:
-                req.debug_logits.append(raw_logits[i].clone())
-            req.token_ids.append(token)
-            outputs.append(self._after_token(req, token, logprobs[i]))
+            s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
+        row = 0
+        for req, drafts, num_logits in samplers:
+            out = None
+            for j in range(num_logits):
+                token = tokens[row + j]
+                if req.debug_logits is not None:
+                    req.debug_logits.append(raw_logits[row + j].clone())
+                req.token_ids.append(token)
+                stats.num_sampled += 1
+                step_out = self._after_token(req, token, logprobs[row + j])
+                out = step_out if out is None else _merge_outputs(out, step_out)
+                if req.is_finished or j == len(drafts) or token != drafts[j]:
+                    break
+                req.num_computed_tokens += 1  # draft j was right: its KV, written this step, is valid
+                stats.spec_accepted += 1
+            stats.spec_drafted += len(drafts)
+            req.draft_token_ids = []
+            row += num_logits
+            outputs.append(out)
         for s in sched.scheduled:
             if not s.request.is_finished:
                 self.kv_cache.cache_full_blocks(s.request)
@@ -217,9 +273,30 @@ class Engine:
         stats.seconds += seconds
         stats.bytes_read += step_bytes
         stats.flops += step_flops
-        decodes = sched.num_decodes
+        decodes = sum(s.num_tokens for s in sched.scheduled if s.num_tokens == 1 or s.num_draft)
         stats.last = (seconds, sched.num_tokens - decodes, decodes, step_bytes, step_flops)
+        stats.last_spec = (stats.spec_drafted - drafted_before, stats.spec_accepted - accepted_before)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for the running sequences about to decode. None for a request whose logits are
+        changed by what it generated (penalties, min_tokens still blocking EOS: its draft rows would need the drafts
+        as outputs), nor in a step with more decoding sequences than speculative_max_batch."""
+        cfg = self.config
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        if len(decoding) > cfg.speculative_max_batch:
+            for r in decoding:
+                r.draft_token_ids = []
+            return
+        for r in decoding:
+            room = min(cfg.num_draft, r.params.max_tokens - r.num_output_tokens - 1,
+                       self.max_model_len - r.num_tokens - 1)
+            if room < 1 or r.params.has_penalties or r.num_output_tokens < r.params.min_tokens:
+                r.draft_token_ids = []
+                continue
+            if r.spec_state is None:
+                r.spec_state = NgramIndex()
+            r.draft_token_ids = propose_ngram(r.token_ids, r.spec_state, room, cfg.ngram_min, cfg.ngram_max)
 
     @torch.inference_mode()
     def _process_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -99,6 +99,10 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     debug_logits: list | None = None  # every sampled row's logits, when the engine records them
+    # speculative decoding: the tokens proposed to follow token_ids, verified by the next step (never part of
+    # token_ids until accepted), and the proposer's state (inferd/engine/speculative.py)
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_state: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

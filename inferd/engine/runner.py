@@ -13,6 +13,7 @@ from .scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from ..models.parallel import TensorParallelGroup
+    from .cuda_graph import DecodeGraphs
 
 
 class StepRow(NamedTuple):
@@ -20,7 +21,7 @@ class StepRow(NamedTuple):
     token_ids: list[int]  # the tokens computed this step
     start: int  # the position of the first of them
     block_ids: list[int]  # the sequence's block table (at least the blocks up to start + len(token_ids))
-    samples: bool  # its last row is sampled
+    samples: int  # how many of its last rows give logits: 0, 1, or 1 + the speculative drafts it verifies
 
 
 def step_rows(sched: SchedulerOutput) -> list[StepRow]:
@@ -28,7 +29,10 @@ def step_rows(sched: SchedulerOutput) -> list[StepRow]:
     for s in sched.scheduled:
         r = s.request
         start = r.num_computed_tokens
-        rows.append((r.token_ids[start:start + s.num_tokens], start, r.block_ids, s.samples))  # a StepRow's fields
+        tokens = r.token_ids[start:start + s.num_tokens - s.num_draft]
+        if s.num_draft:
+            tokens = tokens + r.draft_token_ids[:s.num_draft]
+        rows.append((tokens, start, r.block_ids, s.num_logits))  # a StepRow's fields
     return rows
 
 
@@ -63,7 +67,8 @@ def split_by_length(lens: list[int], block_size: int, max_waste: float = 0.25) -
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
-    """On one device: with tensor parallelism each holds num_key_value_heads / tensor_parallel heads."""
+    """On one device: with tensor parallelism each holds num_key_value_heads / tensor_parallel heads. dtype: the
+    KV cache's (`--kv-dtype`), which may be narrower than the activations'."""
     elem = torch.empty((), dtype=dtype).element_size()
     kv_heads = config.num_key_value_heads // tensor_parallel
     return 2 * config.num_hidden_layers * kv_heads * block_size * config.head_dim * elem
@@ -72,20 +77,23 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", tensor_parallel: int = 1,
-                 parallel: TensorParallelGroup | None = None):
+                 parallel: TensorParallelGroup | None = None, kv_dtype: torch.dtype | None = None):
         """tensor_parallel: model is this rank's shard of it, and the KV cache holds this rank's KV heads.
-        parallel (rank 0 only): the other ranks, sent every step before it runs here."""
+        parallel (rank 0 only): the other ranks, sent every step before it runs here.
+        kv_dtype: the KV cache's storage dtype (None: dtype, the activations'); attention reads it back in dtype."""
         self.model = model
         self.parallel = parallel
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs for decode steps, set by the engine on CUDA
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         # zeros, not empty: padded decode slots are masked, and 0 * garbage could be NaN
         self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads // tensor_parallel, num_blocks,
-                              block_size, config.head_dim, dtype=dtype, device=self.device)
+                              block_size, config.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_hidden_layers)]
 
     def prepare(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -111,7 +119,7 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, row + n, start,
                                            torch.tensor(blocks[:used], dtype=torch.long, device=self.device)))
             if samples:
-                logits_rows.append(row + n - 1)
+                logits_rows.extend(range(row + n - samples, row + n))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
@@ -129,8 +137,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Runs one step; returns float32 logits for the rows that sample, in scheduled order."""
+        """Runs one step; returns float32 logits for the rows that sample, in scheduled order (a request verifying
+        k drafts has k + 1 consecutive rows)."""
         rows = step_rows(sched)
+        # a step of one-token decodes only, at a shape captured as a CUDA graph (cuda_graph.py)
+        shape = self.decode_graphs.plan(rows) if self.decode_graphs is not None else None
+        if shape is not None:
+            return self.decode_graphs.execute(rows, shape)
         if self.parallel is not None:
             self.parallel.send_step(rows)  # the other ranks run the same step beside this one
         hidden, logits_rows = self.forward(rows)

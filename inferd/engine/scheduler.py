@@ -26,11 +26,17 @@ from .request import FinishReason, Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # computed this step, starting at request.num_computed_tokens
+    num_tokens: int  # computed this step, starting at request.num_computed_tokens (drafts included)
+    num_draft: int = 0  # of which the last are request.draft_token_ids[:num_draft], to be verified
 
     @property
     def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_draft == self.request.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of this step that give logits: the last token's, and one per draft."""
+        return 1 + self.num_draft if self.samples else 0
 
 
 @dataclass
@@ -111,8 +117,19 @@ class Scheduler:
         # running: decodes first, then continuing prefills, each in admission order
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # speculative drafts ride on a decode only with budget beyond one token for every decode (never at the
+        # cost of another sequence's decode) and only where the KV room is there without preempting anyone
+        draft_budget = budget - len(decoding)
+        for req in decoding:
+            if not req.draft_token_ids or req.status != RequestStatus.RUNNING or draft_budget <= 0:
+                continue
+            k = min(len(req.draft_token_ids), draft_budget)
+            if self.kv.allocate(req, 1 + k):
+                scheduled[req.request_id] = ScheduledRequest(req, 1 + k, k)
+                budget -= 1 + k
+                draft_budget -= k
         for req in decoding + prefilling:
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in scheduled:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
@@ -158,6 +175,8 @@ class Scheduler:
                                key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens if s.num_tokens == 1
                                               else 0))
         out.num_decodes = sum(1 for s in out.scheduled if s.num_tokens == 1)
+        for victim in preempted:  # its drafts followed tokens it will recompute
+            victim.draft_token_ids = []
         return out
 
     def _victims_for(self, req: Request, hits: list[int], budget: int,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig, resolve_dtype
+from ..config import TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig, resolve_dtype, resolve_kv_dtype
 from .config import ModelConfig
 
 if TYPE_CHECKING:
@@ -285,7 +285,8 @@ def load_tensor_parallel(path: str, config: EngineConfig, dtype: torch.dtype, pr
     model_config = load_model_config(path)
     tp = config.tensor_parallel
     check_tensor_parallel(model_config, tp)
-    num_blocks = config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, dtype, tp)
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
+    num_blocks = config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, kv_dtype, tp)
     group = TensorParallelGroup.start(path, config, dtype, num_blocks)
     try:
         state = load_state_dict(path, model_config, dtype, progress)
@@ -352,7 +353,8 @@ def run_rank(spec: dict) -> int:
     model = build_shard(model_config, state, dtype, device, config.max_model_len, tp, rank, group)
     del state
     quantize_model(model, config.quantize)  # this rank's shard: per-output-channel scales of its own rows
-    runner = ModelRunner(model, model_config, spec["num_blocks"], config.block_size, dtype, device, tp)
+    runner = ModelRunner(model, model_config, spec["num_blocks"], config.block_size, dtype, device, tp,
+                         kv_dtype=resolve_kv_dtype(config.kv_dtype, dtype))
     store.set(f"ready{rank}", "1")
     with open(0, "rb", closefd=False) as steps:
         while (rows := read_step(steps)) is not None:

@@ -81,6 +81,10 @@ class Metrics:
                                   buckets=UTILIZATION_BUCKETS, registry=r)
         self.step_mfu = Histogram("inferd_step_flops_utilization", "Model-FLOP utilisation of an engine step: FLOPs "
                                   "/ step time / the device's peak FLOP/s", buckets=UTILIZATION_BUCKETS, registry=r)
+        # speculative decoding (`--speculative ngram`)
+        self.spec_drafted = Counter("inferd_spec_draft_tokens", "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter("inferd_spec_accepted_tokens", "Speculative draft tokens accepted (tokens that "
+                                     "took no engine step of their own)", registry=r)
         # the cluster
         self.replays = Counter("inferd_replays", "Streams moved to another worker mid-request, by why their worker "
                                "was lost (worker_lost: died or hung; drain: shut down)", ["reason"], registry=r)
@@ -95,9 +99,13 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-    def observe_step(self, hello, seconds: float, nbytes: int, flops: int) -> None:
+    def observe_step(self, hello, seconds: float, nbytes: int, flops: int, drafted: int = 0,
+                     accepted: int = 0) -> None:
         """One engine step of a worker (hello: its peaks)."""
         self.step_time.observe(seconds)
+        if drafted:
+            self.spec_drafted.inc(drafted)
+            self.spec_accepted.inc(accepted)
         if seconds <= 0 or not nbytes:
             return
         self.step_bytes.inc(nbytes)

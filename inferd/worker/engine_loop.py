@@ -205,6 +205,9 @@ class EngineLoop:
         if step_s is not None:  # what the step read and computed (roofline accounting), for MBU / MFU
             _, prefill, decode, nbytes, flops = getattr(stats, "last", (0, 0, 0, 0, 0))
             cost = {"bytes": nbytes, "flops": flops, "prefill_tokens": prefill, "decode_tokens": decode}
+            drafted, accepted = getattr(stats, "last_spec", (0, 0))
+            if drafted:  # speculative decoding: draft tokens verified this step, and accepted
+                cost.update(draft_tokens=drafted, accepted_tokens=accepted)
         for peer, entries in batches.values():
             peer.send({"type": OUTPUTS, "step": stats.num_steps, "step_s": step_s, "outputs": entries, **cost})
         self.stats = self._snapshot()
