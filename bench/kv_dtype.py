@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from quantization import TEXT, OtherLoad, compare, cpu_busy_fraction, perplexity  # noqa: E402
+from quantization import TEXT, DecodeRun, OtherLoad, compare, cpu_busy_fraction, perplexity  # noqa: E402
 
-from inferd.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, cpu_has_native_bf16, resolve_kv_dtype  # noqa: E402
-from inferd.engine import Engine, SamplingParams  # noqa: E402
+from inferd.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, cpu_has_native_bf16  # noqa: E402
+from inferd.engine import Engine  # noqa: E402
 from inferd.engine.runner import StepRow, kv_bytes_per_block  # noqa: E402
 from inferd.models.build import build_model  # noqa: E402
 from inferd.models.loader import default_model_path, load_model_config, load_state_dict  # noqa: E402
@@ -59,35 +59,6 @@ def chunked_logits(engine: Engine, ids: list[int], chunk: int) -> tuple[torch.Te
             hidden, _ = engine.runner.forward([StepRow(ids[s:s + chunk], s, blocks, 1)])
             out.append(engine.runner.model.compute_logits(hidden))
     return torch.cat(out), time.perf_counter() - t
-
-
-class DecodeRun:
-    """An engine with `batch` sequences past their prompts: every step() is `batch` decodes."""
-
-    def __init__(self, model, cfg, dtype, kv_dtype: str, batch: int, context: int, max_steps: int, seed: int):
-        per_block = kv_bytes_per_block(cfg, BLOCK, resolve_kv_dtype(kv_dtype, dtype))
-        blocks = batch * (-(-(context + max_steps + 32) // BLOCK) + 2) + 8
-        self.engine = Engine(model, cfg, EngineConfig(kv_dtype=kv_dtype, kv_cache_bytes=blocks * per_block,
-                                                      max_num_seqs=batch, max_num_batched_tokens=512,
-                                                      max_model_len=2048, enable_prefix_caching=False,
-                                                      detokenize=False), dtype)
-        self.batch = batch
-        g = torch.Generator().manual_seed(seed)
-        params = SamplingParams(max_tokens=max_steps + 16, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            self.engine.add_request(torch.randint(1000, 40000, (context,), generator=g).tolist(), params)
-        while True:  # prefill (in chunks of the token budget), then one step where all rows decode
-            self.engine.step()
-            sched = self.engine.last_schedule
-            if sched.num_decodes == batch and sched.num_tokens == batch:
-                break
-
-    def mean_step_s(self, steps: int) -> float:
-        t = time.perf_counter()
-        for _ in range(steps):
-            self.engine.step()
-        assert self.engine.last_schedule.num_decodes == self.batch
-        return (time.perf_counter() - t) / steps
 
 
 def main() -> int:
@@ -144,7 +115,7 @@ def main() -> int:
 
     max_steps = args.steps * args.rounds + args.warmup + 8
     timed = [c for c in configs if native_bf16 or c[2] != torch.bfloat16]
-    runs = {(act, kv, b): DecodeRun(models[dtype], cfg, dtype, kv_name, b, args.context, max_steps, seed=b)
+    runs = {(act, kv, b): DecodeRun(models[dtype], cfg, dtype, b, args.context, max_steps, seed=b, kv_dtype=kv_name)
             for act, kv, dtype, kv_name in timed for b in batches}
     for run in runs.values():
         run.mean_step_s(args.warmup)

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from inferd.config import EngineConfig, cpu_has_native_bf16  # noqa: E402
+from inferd.config import EngineConfig, cpu_has_native_bf16, resolve_kv_dtype  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
 from inferd.engine.runner import StepRow, kv_bytes_per_block  # noqa: E402
 from inferd.models.build import build_model  # noqa: E402
@@ -148,13 +148,14 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 class DecodeRun:
-    """An engine with `batch` sequences past their prompts: every step() is `batch` decodes."""
+    """An engine with `batch` sequences past their prompts: every step() is `batch` decodes (bench/kv_dtype.py too:
+    kv_dtype is the cache's, `--kv-dtype`)."""
 
-    def __init__(self, model, cfg, dtype, batch: int, context: int, max_steps: int, seed: int):
+    def __init__(self, model, cfg, dtype, batch: int, context: int, max_steps: int, seed: int, kv_dtype: str = "auto"):
         need = batch * (context + max_steps + 32)
-        per_block = kv_bytes_per_block(cfg, 16, dtype)
+        per_block = kv_bytes_per_block(cfg, 16, resolve_kv_dtype(kv_dtype, dtype))
         kv_bytes = (need // 16 + 2 * batch + 8) * per_block
-        self.engine = Engine(model, cfg, EngineConfig(kv_cache_bytes=kv_bytes, max_num_seqs=batch,
+        self.engine = Engine(model, cfg, EngineConfig(kv_dtype=kv_dtype, kv_cache_bytes=kv_bytes, max_num_seqs=batch,
                                                       max_num_batched_tokens=512, max_model_len=2048,
                                                       enable_prefix_caching=False, detokenize=False), dtype)
         self.batch = batch

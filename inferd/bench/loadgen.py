@@ -3,7 +3,8 @@
 Owns the whole of `inferd bench`: the synthetic workload (random token-id prompts of exact lengths, seeded), the
 arrival process (fixed concurrency, or Poisson at a request rate with an optional concurrency cap), the streaming
 client (a byte-exact SSE parser timing every token-bearing chunk), the statistics (TTFT, TPOT, ITL, E2E latency,
-throughput, goodput) and the report (a rich table, a JSON dict).
+throughput, goodput) and the report (a rich table, a JSON dict). `--report DIR` (the same workload swept over request
+rates and concurrencies, written as Markdown, PNG plots and JSON) is inferd/bench/report.py.
 
 Timing rules, per request:
   - t_start is taken just before the request is sent; TTFT is the first chunk with a token, E2E ends at `[DONE]`.
@@ -543,6 +544,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, e2el)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the report (with per-request data)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before the run, not counted")
+    from .report import DEFAULT_REPORT_CONCURRENCIES, DEFAULT_REPORT_RATES
+
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="sweep the load (--rates, --concurrencies; --num-prompts requests per point) and write "
+                        "DIR/report.md, DIR/results.json and PNG plots (inferd/bench/report.py)")
+    p.add_argument("--rates", default=None, metavar="R1,R2,...",
+                   help="with --report: Poisson request rates (req/s) to sweep; '' for none (default: "
+                        f"{','.join(f'{r:g}' for r in DEFAULT_REPORT_RATES)})")
+    p.add_argument("--concurrencies", default=None, metavar="C1,C2,...",
+                   help="with --report: fixed concurrencies to sweep; '' for none (default: "
+                        f"{','.join(map(str, DEFAULT_REPORT_CONCURRENCIES))})")
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -568,9 +580,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         config = bench_config(args)
+        report_dir = getattr(args, "report", None)
+        if report_dir is None and (getattr(args, "rates", None) is not None or
+                                   getattr(args, "concurrencies", None) is not None):
+            raise ValueError("--rates and --concurrencies need --report DIR")
     except ValueError as e:
         err.print(f"inferd bench: {e}", markup=False, highlight=False)
         return 2
+    if report_dir is not None:
+        from .report import cmd_report
+
+        return cmd_report(args, config)
     mode = (f"concurrency {config.concurrency}" if config.concurrency else
             f"request rate {config.request_rate} req/s" +
             (f", max concurrency {config.max_concurrency}" if config.max_concurrency else ""))
