@@ -47,15 +47,13 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from quantization import OtherLoad  # noqa: E402  (bench/quantization.py: the CPU share other processes take)
 
 from inferd.config import EngineConfig, resolve_dtype  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
 from inferd.engine.kv_cache import hash_prompt_blocks  # noqa: E402
 from inferd.models.build import load_model  # noqa: E402
 from inferd.models.loader import default_model_path  # noqa: E402
+from inferd.telemetry.roofline import OtherLoad  # noqa: E402
 
 LOW_ID = 1000  # prompt ids from [LOW_ID, min(vocab, 40000)): clear of special and byte tokens
 

@@ -41,6 +41,7 @@ from inferd.models.build import build_model  # noqa: E402
 from inferd.models.loader import default_model_path, load_model_config, load_state_dict  # noqa: E402
 from inferd.models.quantize import quantize_model, weight_bytes  # noqa: E402
 from inferd.models.tokenizer import load_tokenizer  # noqa: E402
+from inferd.telemetry.roofline import OtherLoad  # noqa: E402,F401  (bench/kv_dtype.py, prefix_cache.py import it here)
 
 TEXT = """The history of the printing press begins in the middle of the fifteenth century, when Johannes Gutenberg \
 combined a screw press, oil-based ink and movable metal type into a system that could produce books far faster than \
@@ -94,33 +95,6 @@ def cpu_busy_fraction(seconds: float = 1.0) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return 1 - (idle1 - idle0) / max(1, total1 - total0)
-
-
-class OtherLoad:
-    """CPU share taken by other processes (and the hypervisor: steal) while a block of code runs, from /proc/stat
-    less this process's own CPU time."""
-
-    def __enter__(self):
-        self.start = self._sample()
-        return self
-
-    def __exit__(self, *exc):
-        end = self._sample()
-        self.share = None
-        if self.start is not None and end is not None:
-            busy, total, own = (e - s for e, s in zip(end, self.start))
-            self.share = max(0.0, busy - own) / max(1e-9, total)
-
-    @staticmethod
-    def _sample():
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        tick = os.sysconf("SC_CLK_TCK")
-        t = os.times()
-        return (sum(v[:3]) + sum(v[5:8])) / tick, sum(v[:8]) / tick, t.user + t.system
 
 
 def teacher_forced_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, float]:

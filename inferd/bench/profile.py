@@ -110,7 +110,8 @@ def run_profile(args) -> dict:
                           max_num_seqs=args.max_batch, max_num_batched_tokens=max(prefills + [args.max_batch * 2]),
                           max_model_len=longest, enable_prefix_caching=False, detokenize=False)
     engine = Engine.from_config(config)
-    peaks = device_peaks(torch.device(args.device), engine.dtype, args.peak_bandwidth, args.peak_flops)
+    peaks = device_peaks(torch.device(args.device), engine.dtype, args.peak_bandwidth, args.peak_flops,
+                         recalibrate=getattr(args, "recalibrate", False))
     points: list[Point] = []
     for context in contexts:
         batch = 1
@@ -148,6 +149,11 @@ def answer(result: dict) -> str:
         where = f"from batch {compute}" if compute else f"never up to batch {rows[-1]['batch']}"
         lines.append(f"context {context}: compute-bound {where}; MFU passes half its best ({best:.1%}) at batch "
                      f"{half}; batch-1 MBU {rows[0]['mbu']:.1%}")
+    over = [p for p in result["points"] if max(p["mbu"], p["mfu"]) > 1.0]
+    if over:  # no step beats the device's peak: these are too low (a calibration on a busy machine, another CPU)
+        lines.append(f"WARNING: {len(over)} points above 100% MBU or MFU: the peaks "
+                     f"({result['peaks']['source']}) are too low; run again with --recalibrate on a quiet machine, "
+                     "or give --peak-bandwidth/--peak-flops")
     return "\n".join(lines)
 
 
@@ -229,6 +235,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s (default: calibrated, cached)")
     p.add_argument("--peak-flops", type=float, default=None, help="FLOP/s (default: calibrated, cached)")
     p.add_argument("--out", default="profile", help="folder for profile.json and roofline.png")
+    p.add_argument("--recalibrate", action="store_true", help="measure the device's peaks again (and cache them, "
+                   "unless other processes took over a quarter of the CPU meanwhile)")
 
 
 def cmd_profile(args) -> int:

@@ -19,6 +19,7 @@ the engine's dtype) run once per device (and thread count; FLOP/s per dtype) and
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,8 +27,14 @@ from pathlib import Path
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 CALIBRATION_COPY_BYTES = 256 << 20  # far over any L3: DRAM bandwidth
 CALIBRATION_MATMUL_N = 2048
+# a CPU calibration during which other processes took more than this share of the CPU is used for this run but not
+# cached: peaks measured on a busy machine are too low (seen: 13 GB/s against 35 quiet), and every MBU above them
+# would read high (over 100%) until the cache is deleted
+CALIBRATION_MAX_OTHER_LOAD = 0.25
 
 
 @dataclass(frozen=True)
@@ -84,18 +91,58 @@ def _cache_path() -> Path:
     return Path(os.environ.get("INFERD_CACHE_DIR") or Path.home() / ".cache" / "inferd") / "peaks.json"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "cpu": hosts of one name may lend different CPU models."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
 def device_key(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"cpu-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+        name = f"{cpu_model()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
     return f"{name}/torch-{torch.__version__}"
 
 
+class OtherLoad:
+    """CPU share taken by other processes (and the hypervisor: steal) while a block of code runs, from /proc/stat
+    less this process's own CPU time; share is None where /proc/stat is not there."""
+
+    def __enter__(self):
+        self.start, self.share = self._sample(), None
+        return self
+
+    def __exit__(self, *exc):
+        end = self._sample()
+        if self.start is not None and end is not None:
+            busy, total, own = (e - s for e, s in zip(end, self.start))
+            self.share = max(0.0, busy - own) / max(1e-9, total)
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick, t = os.sysconf("SC_CLK_TCK"), os.times()
+        return (sum(v[:3]) + sum(v[5:8])) / tick, sum(v[:8]) / tick, t.user + t.system
+
+
 def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float | None = None,
-          flops: float | None = None) -> Peaks:
+          flops: float | None = None, recalibrate: bool = False,
+          max_other_load: float = CALIBRATION_MAX_OTHER_LOAD) -> Peaks:
     """The flags when both are given; else the cached calibration of this device (bandwidth: one per device;
-    FLOP/s: one per device and dtype), else a new one (cached)."""
+    FLOP/s: one per device and dtype), else a new one, cached unless other processes took over max_other_load of
+    the CPU while it ran (then used for this run only: source "calibrated, busy: not cached"). recalibrate: measure
+    again whatever the cache holds."""
     if bandwidth and flops:
         return Peaks(bandwidth, flops, "flags")
     key, path = device_key(device), _cache_path()
@@ -106,11 +153,21 @@ def peaks(device: torch.device, dtype: torch.dtype, bandwidth: float | None = No
         pass
     entry = cache.setdefault(key, {})
     dtype_name = str(dtype).removeprefix("torch.")
+    if recalibrate:
+        entry.pop("bandwidth", None)
+        entry.pop(f"flops/{dtype_name}", None)
     missing = "bandwidth" not in entry or f"flops/{dtype_name}" not in entry
-    if "bandwidth" not in entry:
-        entry["bandwidth"] = measure_bandwidth(device)
-    if f"flops/{dtype_name}" not in entry:
-        entry[f"flops/{dtype_name}"] = measure_flops(device, dtype)
+    with OtherLoad() as load:
+        if "bandwidth" not in entry:
+            entry["bandwidth"] = measure_bandwidth(device)
+        if f"flops/{dtype_name}" not in entry:
+            entry[f"flops/{dtype_name}"] = measure_flops(device, dtype)
+    busy = missing and device.type == "cpu" and load.share is not None and load.share > max_other_load
+    if busy:
+        logger.warning("peak calibration ran while other processes took %.0f%% of the CPU: not cached "
+                       "(the peaks are too low; MBU/MFU read high this run)", 100 * load.share)
+        return Peaks(bandwidth or entry["bandwidth"], flops or entry[f"flops/{dtype_name}"],
+                     "calibrated, busy: not cached")
     if missing:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ roofline PNG is written."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -71,3 +72,52 @@ def test_profile_command_writes_the_plot(tiny_llama_dir, tmp_path, capsys):
     assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "profile.json").exists()
     assert "MBU" in capsys.readouterr().out
+
+
+def test_calibration_is_cached_per_cpu_model_and_recalibrated_on_request(tmp_path, monkeypatch):
+    import json
+
+    from inferd.telemetry import roofline
+
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    device = torch.device("cpu")
+    key = roofline.device_key(device)
+    assert roofline.cpu_model() in key and f"torch-{torch.__version__}" in key
+    # a stale entry (far too low peaks) is used as it is ...
+    (tmp_path / "peaks.json").write_text(json.dumps({key: {"bandwidth": 1.0, "flops/float32": 2.0}}))
+    stale = roofline.peaks(device, torch.float32, max_other_load=1.0)
+    assert (stale.bandwidth, stale.flops, stale.source) == (1.0, 2.0, "cache")
+    # ... until recalibrate measures again and replaces it in the cache
+    fresh = roofline.peaks(device, torch.float32, recalibrate=True, max_other_load=1.0)
+    assert fresh.source == "calibrated" and fresh.bandwidth > 1e6 and fresh.flops > 1e6
+    cached = json.loads((tmp_path / "peaks.json").read_text())[key]
+    assert cached == {"bandwidth": fresh.bandwidth, "flops/float32": fresh.flops}
+
+
+def test_a_calibration_on_a_busy_cpu_is_not_cached(tmp_path, monkeypatch):
+    """Real load: two spinning processes take the CPU while the calibration runs; its peaks serve this run only."""
+    import subprocess
+    import sys
+
+    from inferd.telemetry import roofline
+
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        got = roofline.peaks(torch.device("cpu"), torch.float32, max_other_load=0.1)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert got.source == "calibrated, busy: not cached" and got.bandwidth > 0
+    assert not (tmp_path / "peaks.json").exists()
+
+
+def test_profile_warns_when_points_beat_the_peaks():
+    result = {"peaks": {"source": "cache"}, "points": [
+        {"kind": "decode", "context": 16, "batch": 1, "bound": "memory", "mbu": 1.3, "mfu": 0.1},
+        {"kind": "decode", "context": 16, "batch": 2, "bound": "memory", "mbu": 0.9, "mfu": 0.2}]}
+    text = answer(result)
+    assert "WARNING: 1 points above 100% MBU or MFU" in text and "--recalibrate" in text
+    result["points"][0]["mbu"] = 0.95
+    assert "WARNING" not in answer(result)
