@@ -24,7 +24,12 @@ def test_metrics_families_and_deltas(tiny_server):
     for _ in range(2):
         r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers=tiny_server.headers, timeout=60)
         assert r.status_code == 200
-    after = tiny_server.wait_metrics(lambda m: _value(m, "inferd_num_requests_running") == 0)
+    # the engine's gauges and counters reach the server with the worker's heartbeats: a heartbeat sent before the
+    # second request was admitted also says 0 running, so wait until its prefix-cache hit shows as well
+    hits_before = _value(before, "inferd_prefix_cache_hit_tokens_total")
+    after = tiny_server.wait_metrics(lambda m: _value(m, "inferd_num_requests_running") == 0
+                                     and _value(m, "inferd_prefix_cache_hit_tokens_total") - hits_before >= 32
+                                     and _value(m, "inferd_kv_blocks_in_use") == 0)
     for family in FAMILIES:
         assert any(k == family or k.startswith(family + "{") for k in after), family
 
