@@ -35,30 +35,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from quantization import TEXT, DecodeRun, OtherLoad, compare, cpu_busy_fraction, perplexity  # noqa: E402
+from quantization import (TEXT, DecodeRun, OtherLoad, compare, cpu_busy_fraction, perplexity,  # noqa: E402
+                          teacher_forced_logits)
 
 from inferd.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, cpu_has_native_bf16  # noqa: E402
 from inferd.engine import Engine  # noqa: E402
-from inferd.engine.runner import StepRow, kv_bytes_per_block  # noqa: E402
+from inferd.engine.runner import kv_bytes_per_block  # noqa: E402
 from inferd.models.build import build_model  # noqa: E402
 from inferd.models.loader import default_model_path, load_model_config, load_state_dict  # noqa: E402
 from inferd.models.tokenizer import load_tokenizer  # noqa: E402
 
 BLOCK = 16
 SEQ_LEN = 1024  # the sequence length of the capacity column
-
-
-def chunked_logits(engine: Engine, ids: list[int], chunk: int) -> tuple[torch.Tensor, float]:
-    """(float32 logits at every position of ids, seconds): ids fed chunk tokens per forward through an idle
-    engine's runner; a chunk of 1 is a decode, attending to its context as stored in the cache."""
-    blocks = list(range(-(-len(ids) // engine.config.block_size)))
-    out = []
-    t = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, len(ids), chunk):
-            hidden, _ = engine.runner.forward([StepRow(ids[s:s + chunk], s, blocks, 1)])
-            out.append(engine.runner.model.compute_logits(hidden))
-    return torch.cat(out), time.perf_counter() - t
 
 
 def main() -> int:
@@ -102,7 +90,7 @@ def main() -> int:
     for act, kv, dtype, kv_name in configs:
         engine = Engine(models[dtype], cfg, EngineConfig(kv_dtype=kv_name, kv_cache_bytes=64 << 20,
                                                          max_model_len=2048), dtype)
-        logits, seconds = chunked_logits(engine, ids, args.chunk)
+        logits, seconds = teacher_forced_logits(engine, ids, args.chunk)
         stored = engine.runner.kv[:, :, :, :-(-len(ids) // BLOCK)].float()
         per_block = kv_bytes_per_block(cfg, BLOCK, engine.kv_dtype)
         blocks = DEFAULT_KV_CACHE_BYTES // per_block

@@ -97,15 +97,19 @@ def cpu_busy_fraction(seconds: float = 1.0) -> float | None:
     return 1 - (idle1 - idle0) / max(1, total1 - total0)
 
 
-def teacher_forced_logits(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, float]:
-    """(float32 logits at every position of ids, seconds of the forward) in one prefill through the runner of an
-    idle engine."""
+def teacher_forced_logits(engine: Engine, ids: list[int], chunk: int | None = None) -> tuple[torch.Tensor, float]:
+    """(float32 logits at every position of ids, seconds of the forwards) through the runner of an idle engine:
+    one prefill, or chunk tokens per forward (a chunk of 1 is a decode, attending to its context as stored in the
+    cache: bench/kv_dtype.py)."""
     blocks = list(range(-(-len(ids) // engine.config.block_size)))
+    chunk = chunk or len(ids)
+    out = []
     with torch.inference_mode():
         t = time.perf_counter()
-        hidden, _ = engine.runner.forward([StepRow(ids, 0, blocks, True)])
-        logits = engine.runner.model.compute_logits(hidden)
-        return logits, time.perf_counter() - t
+        for s in range(0, len(ids), chunk):
+            hidden, _ = engine.runner.forward([StepRow(ids[s:s + chunk], s, blocks, 1)])
+            out.append(engine.runner.model.compute_logits(hidden))
+        return torch.cat(out), time.perf_counter() - t
 
 
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:

@@ -118,8 +118,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     watching = asyncio.create_task(_watch_keys(state, opts.keys_path)) if opts.keys_path else None
 
     def hook_metrics(client) -> None:
-        client.on_step = lambda seconds, _n, nbytes, flops, message: metrics.observe_step(
-            client.hello, seconds, nbytes, flops, message.get("draft_tokens", 0), message.get("accepted_tokens", 0))
+        client.on_step = lambda seconds, _n, m: metrics.observe_step(
+            client.hello, seconds, m.get("bytes", 0), m.get("flops", 0), m.get("draft_tokens", 0),
+            m.get("accepted_tokens", 0))
 
     backend = _backend(opts, router, hook_metrics)
     # our own drain does the graceful part; uvicorn then only flushes what is left

@@ -91,8 +91,8 @@ class WorkerClient:
         # called with (step seconds, number of requests) for every `outputs` message of an engine step (metrics)
         # called with (step seconds, number of requests, bytes read, FLOPs) for every `outputs` message of an engine
         # step (metrics: step time, MBU, MFU)
-        # (step seconds, outputs, bytes read, FLOPs, the step's whole message)
-        self.on_step: Callable[[float, int, int, int, dict], None] | None = None
+        # (step seconds, outputs, the step's message: its bytes, flops, draft_tokens, accepted_tokens)
+        self.on_step: Callable[[float, int, dict], None] | None = None
         self.on_recover: list[Callable[[], None]] = []  # called when a given-up worker speaks again
         self._streams: dict[str, _Stream] = {}
         self._dead: WorkerDead | None = None
@@ -258,7 +258,7 @@ class WorkerClient:
         self.num_batched_output_messages += len(entries) > 1
         step_s = message.get("step_s")
         if self.on_step is not None and step_s is not None:
-            self.on_step(step_s, len(entries), message.get("bytes", 0), message.get("flops", 0), message)
+            self.on_step(step_s, len(entries), message)
         now = time.perf_counter()
         for entry in entries:
             out = WorkerOutput.from_wire(entry)
