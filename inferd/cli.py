@@ -28,6 +28,8 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
 from .config import KV_DTYPES
+from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
+                     NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
 
 
@@ -261,6 +263,8 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
                         fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
+                        sse_write_timeout=args.sse_write_timeout, tenant_queue_share=args.tenant_queue_share,
+                        limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args), **backend)
     return run_server(opts)
 
@@ -422,6 +426,29 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sse-keepalive", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
                    help=f"seconds between keep-alive comments while a stream waits (default "
                    f"{DEFAULT_SSE_KEEPALIVE_S:g})")
+    g.add_argument("--sse-write-timeout", type=positive_float, default=DEFAULT_SSE_WRITE_TIMEOUT_S,
+                   help="seconds a stream's write may wait for a client that reads nothing before its connection "
+                   f"is closed (default {DEFAULT_SSE_WRITE_TIMEOUT_S:g}; its request is released when the worker "
+                   "ends it, whatever the client reads)")
+    g.add_argument("--tenant-queue-share", type=_share, default=DEFAULT_TENANT_QUEUE_SHARE,
+                   help="the most of the waiting line one tenant may hold, 0-1 (default "
+                   f"{DEFAULT_TENANT_QUEUE_SHARE:g}; over it: 429 queue_share_exceeded; 1 without a keys file)")
+    g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help=f"open HTTP connections and requests; past it new ones get 503 (default "
+                   f"{DEFAULT_LIMIT_CONCURRENCY})")
+    g.add_argument("--http-head-timeout", type=positive_float, default=NEW_CONNECTION_IDLE_TIMEOUT_S,
+                   help="seconds a connection has to send a whole request head before it is closed (default "
+                   f"{NEW_CONNECTION_IDLE_TIMEOUT_S:g}; slow or silent clients)")
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a share in (0, 1], got {text!r}")
+    return value
 
 
 def parse_queue_timeout(text: str) -> dict[str, float]:

@@ -51,6 +51,26 @@ DEFAULT_MAX_QUEUE_REQUESTS = 1024  # requests waiting in the line, all bands tog
 DEFAULT_MAX_QUEUE_TOKENS = 4_000_000  # reserved tokens (prompt + max_tokens) of the waiting requests
 DEFAULT_SSE_KEEPALIVE_S = 5.0  # a stream waiting for its first token gets a ": keep-alive" comment this often
 DEFAULT_WORKER_QUEUE_DEPTH = 4  # requests a worker may hold beyond its batch slots (so its GPU never idles)
+# requests waiting in one worker's engine (several gateways may each fill their room on it); past it a new one is
+# refused retryably (the gateway sends it to another worker)
+ENGINE_MAX_WAITING = 256
+# `--tenant-queue-share`: the most of the waiting line (requests and reserved tokens) one tenant may hold, so that
+# one tenant cannot fill it (over it: 429 queue_share_exceeded); a server without a keys file has one tenant: 1.0
+DEFAULT_TENANT_QUEUE_SHARE = 0.5
+# the longest `x-inferd-queue-timeout` a request of each tier may ask for (a longer one is capped to it)
+MAX_QUEUE_TIMEOUT_BY_TIER_S = {"interactive": 60.0, "standard": 600.0, "batch": 3600.0}
+SETTLE_RETRY_S = (0.1, 5.0)  # first and longest pause between two tries to settle a lease while the limiter fails
+SETTLE_GIVE_UP_S = 600.0  # a settlement still failing after this is dropped (the lease then expires by itself)
+# `--sse-write-timeout`: a stream whose client reads nothing for this long (a write cannot complete) is closed; its
+# request was already released when the worker's last output arrived
+DEFAULT_SSE_WRITE_TIMEOUT_S = 30.0
+# tokenizing happens off the event loop for prompts of more characters than this (shorter ones take microseconds)
+TOKENIZE_INLINE_MAX_CHARS = 2048
+TOKENIZE_THREADS = 2  # threads that tokenize long prompts (off the event loop)
+# uvicorn's limits (the API process)
+DEFAULT_LIMIT_CONCURRENCY = 4096  # `--limit-concurrency`: open connections + requests; past it new ones get 503
+MAX_REQUEST_HEADER_BYTES = 64 << 10  # a request's line and headers together (h11; httptools' own bound is 80 KiB)
+NEW_CONNECTION_IDLE_TIMEOUT_S = 10.0  # a connection that sends no complete request head within this is closed
 KEYS_POLL_S = 1.0  # how often `inferd serve --keys FILE` looks whether the file changed (SIGHUP: at once)
 REDIS_LEASE_S = 3600.0  # a concurrency slot in Redis expires after this (a gateway that died never releases it)
 FAIRNESS_PROMPT_WEIGHT = 1.0  # VTC: service charged per prompt token

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..config import DEFAULT_SSE_KEEPALIVE_S, MAX_QUEUE_TIMEOUT_S, TIERS
+from ..config import (DEFAULT_SSE_KEEPALIVE_S, DEFAULT_SSE_WRITE_TIMEOUT_S, MAX_QUEUE_TIMEOUT_BY_TIER_S,
+                      MAX_QUEUE_TIMEOUT_S, TIERS)
 from ..gateway.admission import Gateway, RateLimited
 from ..gateway.router import Router
 from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
@@ -28,8 +30,11 @@ from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionR
                       TokenizeRequest, TokenizeResponse)
 from .serving import SSE_DONE, OpenAIServing, Prepared, Run, complete, first_event, not_ready, sse, stream, worker_error
 
+log = logging.getLogger("inferd.api")
+
 RECEIVED_AT = "inferd.received_at"  # scope key: time.perf_counter() when the request arrived
 TENANT = "inferd.tenant"  # scope key: the Tenant the request's key belongs to
+ABORT_CONNECTION = "inferd.abort_connection"  # scope key: () -> None, drops the client's connection at once
 TIER_HEADER = "x-inferd-tier"  # a request may ask for a lower tier than its tenant's, never a higher one
 QUEUE_TIMEOUT_HEADER = "x-inferd-queue-timeout"  # seconds the request may wait for a worker (default: its tier's)
 DEFAULT_TENANT = Tenant("default")  # the tenant of the single --api-key
@@ -47,6 +52,7 @@ class ServerState:
     gateway: Gateway | None = None  # default: in-process limits and line over `router`
     keys: KeyStore | None = None  # None: no keys file (then --api-key, or no authentication on loopback)
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
+    sse_write_timeout: float = DEFAULT_SSE_WRITE_TIMEOUT_S
     admin_key: str | None = None  # the admin API (/admin/...) is off without one
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
@@ -101,12 +107,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        return await _generate(serving, serving.prepare_completion(body, request.scope[RECEIVED_AT]), request)
+        prep = await serving.prepare(body, request.scope[RECEIVED_AT])
+        del body  # the text is tokenized: not held while the request waits
+        return await _generate(serving, prep, request)
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        return await _generate(serving, serving.prepare_chat(body, request.scope[RECEIVED_AT]), request)
+        prep = await serving.prepare(body, request.scope[RECEIVED_AT])
+        del body
+        return await _generate(serving, prep, request)
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:
@@ -120,9 +130,13 @@ def build_app(state: ServerState) -> FastAPI:
         return _model_card(state)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413, 503))
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         serving = state.require_serving()
         serving.check_model(body.model)
+        try:  # it costs the server work: it counts against the tenant's request rate
+            await state.gateway.charge_request(request.scope[TENANT])
+        except RateLimited as e:
+            raise _rate_limited(e) from None
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give either prompt or messages", param="prompt")
         if body.prompt is not None:
@@ -227,53 +241,57 @@ def _model_card(state: ServerState) -> dict:
 
 async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) -> Response:
     """Admission (quota, line, overload), then the run: a JSON body, or an SSE stream. Refusals before the
-    response starts are HTTP errors; after it, SSE error events."""
+    response starts are HTTP errors; after it, SSE error events.
+
+    Who releases what: the run's driver releases the ticket (room, quota, in-flight count) when the worker's last
+    output arrives (Run.on_done); every other exit (refused, timed out in the line, client gone) goes through
+    run.close(), which is synchronous and releases it too. No cleanup here awaits."""
     state: ServerState = request.app.state.inferd
     tenant: Tenant = request.scope[TENANT]
-    band, queue_timeout = _requested_band(request, tenant), _requested_timeout(request)
+    band = _requested_band(request, tenant)
+    queue_timeout = _requested_timeout(request, band)
     try:
         ticket = await state.gateway.admit(tenant, band, prep.prompt_tokens, prep.reserved_tokens, queue_timeout,
-                                           prompt=prep.prompts[0])
+                                           prompt=prep.prompts[0], num_seqs=len(prep.params),
+                                           cache_salt=_cache_salt(tenant))
     except RateLimited as e:
         raise _rate_limited(e) from None
-    except Exception as e:  # Overloaded, NoWorkerAvailable
+    except Exception as e:  # Overloaded, QueueShareExceeded, NoWorkerAvailable, the limiter unavailable
         raise worker_error(e) from None
     run = serving.start(prep)
     run.on_tokens = ticket.on_output
     run.rebind = ticket.rebind
+    run.on_done = lambda: _end(state, ticket, run)
     headers = ticket.decision.headers()
+    if prep.stream:
+        return await _start_stream(state, run, ticket, band, request, headers)
     try:
-        if prep.stream:
-            return await _start_stream(state, run, ticket, band, request, headers)
-
         async def run_to_end() -> dict:
             worker = ticket.worker or await ticket.wait()  # bound at admission unless it had to wait in the line
             run.dispatch(worker, band, ticket.queue_seconds)
             return await complete(run)
 
         body = await _until_disconnect(request, run_to_end())
-        await run.aclose()
         response = JSONResponse(body, headers={**headers, **_dispatch_headers(ticket)})
         _observe_overhead(state, prep, run, ticket)
         return response
     except _ClientGone:  # nobody is left to read a response: do not log it as a server error
-        await run.aclose()
         return Response(status_code=499)
     except APIError:
-        await run.aclose()
         raise
     except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected, ...
         run.error = e
-        await run.aclose()
         raise worker_error(e) from None
     finally:
-        if not (prep.stream and ticket.streaming):
-            await _end(state, ticket, run)
+        run.close()
 
 
-async def _end(state: ServerState, ticket, run: Run) -> None:
-    """Settles the ticket; a request that reached a worker counts for its version (rollout figures)."""
-    await ticket.finish(_used_tokens(run))
+def _end(state: ServerState, ticket, run: Run) -> None:
+    """Releases the ticket (synchronous: see _generate); a request that reached a worker counts for its version
+    (rollout figures)."""
+    if ticket.finished:
+        return
+    ticket.finish(_used_tokens(run))
     rollout = state.rollout
     if rollout is not None and run.dispatched_at is not None:
         ttft = tpot = None
@@ -283,6 +301,14 @@ async def _end(state: ServerState, ticket, run: Run) -> None:
             if c.num_output_tokens > 1 and run.last_output_at is not None:
                 tpot = (run.last_output_at - c.first_token_at) / (c.num_output_tokens - 1)
         rollout.observe(ticket.version, ttft, tpot, run.error is not None)
+
+
+def _cache_salt(tenant: Tenant) -> str:
+    """The tenant's prefix-cache salt (tenants share cached prefixes only within a cache group)."""
+    from ..gateway import tenants
+
+    salt = getattr(tenants, "cache_salt", None)
+    return salt(tenant) if salt is not None else ""
 
 
 def _used_tokens(run: Run) -> int:
@@ -309,7 +335,8 @@ def _dispatch_headers(ticket) -> dict[str, str]:
 async def _start_stream(state: ServerState, run: Run, ticket, band: int, request: Request,
                         headers: dict[str, str]) -> Response:
     """Waits (up to the keep-alive interval) for a worker and the first event, so that a refusal is still an HTTP
-    error; a stream still waiting after that starts with keep-alive comments and ends in band if it fails."""
+    error; a stream still waiting after that starts with keep-alive comments and ends in band if it fails. From
+    here the response body owns the run (its cleanup closes it)."""
 
     async def start():
         worker = ticket.worker or await ticket.wait()
@@ -319,20 +346,35 @@ async def _start_stream(state: ServerState, run: Run, ticket, band: int, request
     starting = asyncio.ensure_future(start())
     try:
         await _until_disconnect(request, asyncio.wait({starting}, timeout=state.sse_keepalive_s))
-    except _ClientGone:
+        sse_headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if starting.done():
+            events, first = starting.result()  # raises a refusal as an HTTP error
+            sse_headers.update(_dispatch_headers(ticket))
+    except BaseException as e:
         starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
+        if isinstance(e, Exception) and not isinstance(e, (_ClientGone, APIError)):
+            run.error = e
+        run.close()
+        if isinstance(e, _ClientGone):
+            return Response(status_code=499)
+        if isinstance(e, Exception) and not isinstance(e, APIError):
+            raise worker_error(e) from None
         raise
-    sse_headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if starting.done():
-        events, first = starting.result()  # raises a refusal as an HTTP error
-        sse_headers.update(_dispatch_headers(ticket))
-    ticket.streaming = True  # from here the body owns the ticket
-    return StreamingResponse(_stream_body(state, run, ticket, starting), media_type="text/event-stream",
-                             headers=sse_headers)
+    abort_connection = request.scope.get(ABORT_CONNECTION)
+
+    def on_write_timeout() -> None:
+        log.warning("closing the stream of %s: its client read nothing for %g s (--sse-write-timeout)", run.prep.id,
+                    state.sse_write_timeout)
+        state.metrics.sse_write_timeouts.inc()
+        run.close()
+        if abort_connection is not None:
+            abort_connection()
+
+    return _SSEResponse(_stream_body(state, run, starting), state.sse_write_timeout, on_write_timeout,
+                        media_type="text/event-stream", headers=sse_headers)
 
 
-async def _stream_body(state: ServerState, run: Run, ticket, starting: asyncio.Future):
+async def _stream_body(state: ServerState, run: Run, starting: asyncio.Future):
     try:
         while not starting.done():
             await asyncio.wait({starting}, timeout=state.sse_keepalive_s)
@@ -347,12 +389,32 @@ async def _stream_body(state: ServerState, run: Run, ticket, starting: asyncio.F
             return
         async for chunk in stream(run, events, first):
             yield chunk
-    finally:
-        if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-        await run.aclose()
-        await _end(state, ticket, run)
+    finally:  # synchronous only: on a disconnect this runs in a cancelled scope, where every await raises again
+        starting.cancel()
+        run.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose writes must complete within write_timeout: a client that stops reading (without
+    disconnecting) has its connection closed. The request itself was released when its worker's last output
+    arrived; this bounds what the server keeps for such a client."""
+
+    def __init__(self, content, write_timeout: float, on_write_timeout, **kwargs):
+        super().__init__(content, **kwargs)
+        self.write_timeout = write_timeout
+        self.on_write_timeout = on_write_timeout
+
+    async def stream_response(self, send) -> None:
+        timeout = self.write_timeout
+
+        async def timed_send(message) -> None:
+            async with asyncio.timeout(timeout):
+                await send(message)
+
+        try:
+            await super().stream_response(timed_send)
+        except TimeoutError:  # returning (not raising) ends the response without an "exception in ASGI app"
+            self.on_write_timeout()
 
 
 def _rate_limited(e: RateLimited) -> APIError:
@@ -378,7 +440,8 @@ def _requested_band(request: Request, tenant: Tenant) -> int:
     return TIERS.index(asked)
 
 
-def _requested_timeout(request: Request) -> float | None:
+def _requested_timeout(request: Request, band: int) -> float | None:
+    """The queue deadline the request asks for, capped by its tier's maximum."""
     raw = request.headers.get(QUEUE_TIMEOUT_HEADER)
     if raw is None:
         return None
@@ -389,7 +452,7 @@ def _requested_timeout(request: Request) -> float | None:
     if not 0 < value <= MAX_QUEUE_TIMEOUT_S:  # NaN fails too
         raise invalid(f"{QUEUE_TIMEOUT_HEADER} must be a number of seconds in (0, {MAX_QUEUE_TIMEOUT_S:g}], got "
                       f"{raw!r}", param=QUEUE_TIMEOUT_HEADER)
-    return value
+    return min(value, MAX_QUEUE_TIMEOUT_BY_TIER_S[TIERS[band]])
 
 
 class _ClientGone(Exception):
@@ -452,6 +515,7 @@ class Gatekeeper:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope[RECEIVED_AT] = time.perf_counter()
+        scope[ABORT_CONNECTION] = _connection_aborter(send)
         path = scope["path"]
         route = path if path in _KNOWN_ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
         status = [0]
@@ -533,6 +597,15 @@ class Gatekeeper:
 
 
 _ANONYMOUS = Tenant(ANONYMOUS)
+
+
+def _connection_aborter(send):
+    """() -> None that drops the client's TCP connection without flushing (a client that reads nothing would keep a
+    closed-but-unflushed socket forever), where the server's send exposes its transport (uvicorn's does); else
+    None."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    abort = getattr(transport, "abort", None)
+    return abort if callable(abort) else None
 
 
 def _unauthorized(message: str) -> APIError:

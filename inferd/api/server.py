@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
-                      DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES)
+                      DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES,
+                      DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
+                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 
 log = logging.getLogger("inferd.api")
 
@@ -45,6 +47,10 @@ class ServeOptions:
     fairness: str = "vtc"
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
     sse_keepalive: float = DEFAULT_SSE_KEEPALIVE_S
+    sse_write_timeout: float = DEFAULT_SSE_WRITE_TIMEOUT_S
+    tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
+    http_head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S
     workers: int = 1  # local worker processes (serve)
     remote_workers: list[str] = field(default_factory=list)  # HOST:PORT of remote workers (gateway)
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
@@ -95,6 +101,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     from ..gateway.tenants import KeyStore
     from ..telemetry.metrics import Metrics
     from .app import ServerState, build_app
+    from .http_limits import protocol_class
 
     router = Router()
     metrics = Metrics(opts.served_model_name, router.latest_stats, lambda: list(router.workers),
@@ -105,12 +112,16 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     except Exception as e:  # Redis unreachable, a keys file that does not parse
         print(f"error: {e}", file=sys.stderr)
         return 1
+    # without a keys file every request is one tenant's: a per-tenant share of the line would only shrink it
+    share = opts.tenant_queue_share if keys is not None else 1.0
     gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
-                                                      opts.queue_timeout, opts.fairness, opts.worker_queue_depth),
+                                                      opts.queue_timeout, opts.fairness, opts.worker_queue_depth,
+                                                      tenant_queue_share=share),
                       metrics)
     gateway.replay_timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
-                        keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key)
+                        keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key,
+                        sse_write_timeout=opts.sse_write_timeout)
     # without an autoscaler, the workers there are are the workers wanted (an HPA reading 0 would scale to nothing)
     metrics.desired_workers.set_function(lambda: state.autoscaler.desired if state.autoscaler is not None
                                          else sum(1 for w in router.workers if w.dead is None))
@@ -124,8 +135,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
 
     backend = _backend(opts, router, hook_metrics)
     # our own drain does the graceful part; uvicorn then only flushes what is left
-    config = uvicorn.Config(app, log_level="warning", access_log=False, http="httptools", lifespan="off",
-                            timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol_class(opts.http_head_timeout), lifespan="off",
+                            timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+                            limit_concurrency=opts.limit_concurrency)
     server = _server_class()(config)
     stop_requested = asyncio.Event()
     server.on_first_signal = stop_requested.set

@@ -17,9 +17,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST
+from concurrent.futures import ThreadPoolExecutor
+
+from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST, TOKENIZE_INLINE_MAX_CHARS, TOKENIZE_THREADS
 from ..engine.request import SamplingParams
-from ..gateway.admission import Overloaded, QueueTimeout
+from ..gateway.admission import Overloaded, QueueShareExceeded, QueueTimeout
 from ..gateway.router import NoWorkerAvailable, Router
 from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
 from ..telemetry.metrics import Metrics
@@ -50,6 +52,9 @@ def worker_error(exc: Exception) -> APIError:
         return not_ready(str(exc), exc.retry_after)
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, QueueShareExceeded):
+        return APIError(429, str(exc), "rate_limit_exceeded", code="queue_share_exceeded",
+                        headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, QueueTimeout):
         return APIError(503, str(exc), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, WorkerDead):
@@ -117,6 +122,29 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
+        # the longest token's text: a prompt of more characters than max_model_len x this cannot fit the context
+        # whatever it tokenizes to, so it is refused before it costs any tokenizing
+        vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer, "hf") else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
+        self._tokenize_pool: ThreadPoolExecutor | None = None
+
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float) -> Prepared:
+        """prepare_completion or prepare_chat; a long prompt is first bounded by its size, then tokenized off the
+        event loop (an 8 MiB prompt must not stall every stream), in a small pool of threads."""
+        chat = isinstance(req, ChatCompletionRequest)
+        prepare = self.prepare_chat if chat else self.prepare_completion
+        chars = _prompt_chars(req)
+        if chars <= TOKENIZE_INLINE_MAX_CHARS:
+            return prepare(req, received_at)
+        hello = self.router.hello
+        if hello is not None and chars > hello.max_model_len * self.max_token_chars:
+            what = "messages" if chat else "prompt"
+            raise invalid(f"This model's maximum context length is {hello.max_model_len} tokens; the {what} has "
+                          f"{chars} characters, more than that many tokens can hold.", param=what,
+                          code="context_length_exceeded")
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inferd-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prepare, req, received_at)
 
     # ---- preparation ----------------------------------------------------------------------------------------
     def check_model(self, requested: str | None) -> None:
@@ -238,9 +266,18 @@ class OpenAIServing:
         return text
 
 
+_END = object()  # the driver's last queue item: every choice ended
+
+
 class Run:
     """The choices of one request running in the workers, merged into one stream of (choice, new text, new
-    logprob entries) events in arrival order. Closing it (aclose) aborts whatever still runs."""
+    logprob entries, output) events in arrival order.
+
+    A driver task (not the HTTP response's task: no cancelled scope reaches it) reads the workers' outputs as they
+    arrive, detokenizes them, checks stop strings and queues the events for whoever writes the response; it ends when
+    the worker's last output for every choice has arrived (or on an error, or when closed), and then calls on_done:
+    the request's room and quota are released then, whether or not the client has read anything. close() is
+    synchronous, so that cleanup inside a cancelled scope (a client that disconnected) cannot be skipped."""
 
     def __init__(self, serving: OpenAIServing, prep: Prepared):
         self.serving = serving
@@ -249,10 +286,11 @@ class Run:
         self.choices = [ChoiceState(i, TextWithStops(IncrementalDetokenizer(tok, prep.prompts[prep.prompt_of[i]]),
                                                      prep.params[i].stop))
                         for i in range(len(prep.params))]
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._single = None  # the stream of a one-choice request, read in place (no task, no second queue)
+        self._events: asyncio.Queue = asyncio.Queue()  # events, an exception, then _END
+        self._driver: asyncio.Task | None = None
         self.on_tokens = None  # called with the number of new tokens of every output (the gateway's fair share)
+        self.on_done = None  # called once, synchronously, when the run has ended (released its worker)
+        self._done_called = False
         self.dispatched_at: float | None = None
         self.last_output_at: float | None = None  # when the last worker output arrived
         # async (lost worker, error) -> a new worker for a replay (the gateway's Ticket.rebind); None: no replay
@@ -273,10 +311,8 @@ class Run:
         self.dispatched_at = time.perf_counter()
         self.serving.metrics.dispatch_overhead.observe(self.dispatched_at - prep.received_at - queue_seconds)
         self.serving.metrics.prompt_tokens.inc(sum(len(prep.prompts[p]) for p in prep.prompt_of))
-        if len(streams) == 1:  # the common case, on the per-token hot path: no task switch per token
-            self._single = streams[0]
-        else:
-            self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._driver = asyncio.get_running_loop().create_task(self._drive(streams))
+        self._driver.add_done_callback(lambda _: self._ended())  # runs even if cancelled before it started
 
     async def _choice_stream(self, index: int, worker) -> AsyncIterator[WorkerOutput]:
         """One choice's outputs. When its worker dies, hangs or drains under it, the choice is replayed on the
@@ -306,40 +342,56 @@ class Run:
             finally:
                 await stream.aclose()
 
+    async def _drive(self, streams: list) -> None:
+        try:
+            if len(streams) == 1:  # the common case: no task per choice
+                await self._pump(0, streams[0])
+            else:
+                pumps = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+                try:
+                    await asyncio.gather(*pumps)
+                finally:  # one failed (or the run was closed): the others stop too, before the run ends
+                    for pump in pumps:
+                        pump.cancel()
+                    await asyncio.gather(*pumps, return_exceptions=True)
+        except asyncio.CancelledError:  # closed: nobody reads the events any more
+            raise
+        except Exception as e:  # the first worker error ends the request (the others are closed)
+            self.error = e
+            self._events.put_nowait(e)
+        finally:
+            self._events.put_nowait(_END)
+
     async def _pump(self, index: int, stream) -> None:
+        choice = self.choices[index]
         try:
             async for out in stream:
-                self._queue.put_nowait((index, out))
-                if self.choices[index].finished:  # ended here (a stop string): leaving the loop aborts it
+                if choice.finished:  # ended here (a stop string) before the worker noticed
                     break
-        except Exception as e:
-            self._queue.put_nowait((index, e))
+                delta, entries = self._apply(choice, out)
+                self._events.put_nowait((choice, delta, entries, out))
+                if choice.finished:  # also when it ended here: leaving the loop aborts it in the worker
+                    break
         finally:
             await stream.aclose()
+
+    def _ended(self) -> None:
+        if self._done_called:
+            return
+        self._done_called = True
+        if self.on_done is not None:
+            self.on_done()
 
     async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput]]:
         """Yields (choice, text delta, logprob entries, the output) per step and choice, until every choice is
         finished. Raises the first worker error."""
-        if self._single is not None:
-            choice = self.choices[0]
-            async for out in self._single:
-                delta, entries = self._apply(choice, out)
-                yield choice, delta, entries, out
-                if choice.finished:  # also when it ended here (a stop string): aclose() aborts it in the worker
-                    return
-            return
-        remaining = len(self.choices)
-        while remaining:
-            index, item = await self._queue.get()
-            choice = self.choices[index]
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                return
             if isinstance(item, Exception):
                 raise item
-            if choice.finished:
-                continue  # ended here (a stop string) before the worker noticed: its pump aborts it
-            delta, entries = self._apply(choice, item)
-            if choice.finished:
-                remaining -= 1
-            yield choice, delta, entries, item
+            yield item
 
     def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list]:
         now = time.perf_counter()
@@ -366,9 +418,10 @@ class Run:
         if choice.finished:
             self._observe_finish(choice, now)
         entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if self.prep.logprobs else []
-        choice.logprobs.extend(entries)
-        if delta and not self.prep.stream:
-            choice.pieces.append(delta)
+        if not self.prep.stream:  # a stream's text and logprobs are not kept once queued for the client
+            choice.logprobs.extend(entries)
+            if delta:
+                choice.pieces.append(delta)
         return delta, entries
 
     def _observe_finish(self, choice: ChoiceState, now: float) -> None:
@@ -379,13 +432,24 @@ class Run:
         if choice.num_output_tokens > 1 and choice.first_token_at is not None:
             m.tpot.observe((now - choice.first_token_at) / (choice.num_output_tokens - 1))
 
+    @property
+    def ended(self) -> bool:
+        """The driver has ended (every choice finished, failed or was closed) or was never started."""
+        return self._driver is None or self._driver.done()
+
+    def close(self) -> None:
+        """Stops whatever still runs (its driver closes the worker streams, which aborts them in the workers) and
+        releases the request. Synchronous and idempotent: safe in a cancelled scope."""
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+        elif self._driver is None:
+            self._ended()
+
     async def aclose(self) -> None:
-        if self._single is not None:
-            await self._single.aclose()
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """close(), then waits until the driver has let go of the workers."""
+        self.close()
+        if self._driver is not None:
+            await asyncio.gather(self._driver, return_exceptions=True)
 
     def usage(self) -> dict:
         seen, prompt_tokens, cached = set(), 0, 0
@@ -398,6 +462,16 @@ class Run:
         completion = sum(c.num_output_tokens for c in self.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _prompt_chars(req) -> int:
+    """Characters of text to tokenize (token-id prompts: none)."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.text()) for m in req.messages)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
 
 
 # ---- OpenAI response shapes --------------------------------------------------------------------------------------
@@ -459,7 +533,7 @@ async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
         run.error = e
         yield sse(worker_error(e).body())
     finally:
-        await run.aclose()
+        run.close()  # synchronous: this may run in a cancelled scope (the client went away)
     yield SSE_DONE
 
 

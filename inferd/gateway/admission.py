@@ -19,19 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_WORKER_QUEUE_DEPTH, TIERS)
+                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH, SETTLE_GIVE_UP_S,
+                      SETTLE_RETRY_S, TIERS)
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient, WorkerDead
 from .limits import Decision, InProcessLimiter, Limiter
 from .line import WaitingLine, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
+
+log = logging.getLogger("inferd.gateway")
 
 DRAIN_WINDOW_S = 30.0  # the drain rate is measured over this recent window (of busy time)
 MAX_RETRY_AFTER_S = 120  # a Retry-After computed from the drain rate is capped here
@@ -68,6 +72,14 @@ class Overloaded(Exception):
         self.retry_after = retry_after
 
 
+class QueueShareExceeded(Exception):
+    """The tenant already holds its share of the waiting line (so that one tenant cannot fill it): 429."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class QueueTimeout(Exception):
     """The request's deadline passed while it waited: it never reached a worker."""
 
@@ -84,6 +96,9 @@ class GatewayOptions:
     queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
     fairness: str = "vtc"
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
+    # the most of the line's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
+    # without a keys file has one tenant, and gets 1.0)
+    tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
 
 
 class DrainRate:
@@ -112,14 +127,20 @@ class DrainRate:
         if tokens > 0:
             self._events.append((now, tokens))
             self._total += tokens
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        """Drops the events before the window (on every append too: memory stays bounded by the window's events
+        even when nobody reads the rate)."""
+        start = max(now - self.window, now if self._busy_since is None else self._busy_since)
+        while self._events and self._events[0][0] < start:
+            self._total -= self._events.popleft()[1]
 
     def rate(self, now: float) -> float | None:
         if self._busy_since is None:
             return None
-        start = max(now - self.window, self._busy_since)
-        while self._events and self._events[0][0] < start:
-            self._total -= self._events.popleft()[1]
-        span = now - start
+        self._trim(now)
+        span = now - max(now - self.window, self._busy_since)
         if span < 0.5 or len(self._events) < 3:
             return None
         return self._total / span
@@ -129,12 +150,13 @@ class Ticket:
     """An admitted request: its reservation, its place in the line, then its worker."""
 
     def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
-                 decision: Decision, timeout: float):
+                 decision: Decision, timeout: float, num_seqs: int = 1):
         self.gateway = gateway
         self.tenant = tenant
         self.band = band
         self.lease_id = lease_id
         self.reserved_tokens = reserved_tokens
+        self.num_seqs = num_seqs  # sequences it runs (prompts x n): the room it takes on a worker
         self.decision = decision
         self.timeout = timeout
         self.admitted_at = time.perf_counter()
@@ -147,7 +169,6 @@ class Ticket:
         self._future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._finished = False
-        self.streaming = False  # the HTTP layer's: an SSE body has taken the ticket over (and finishes it)
         self._drained_prompt = False
         self.prompt_hashes: list[bytes] = []  # the first prompt's block hashes (prefix affinity)
         self.version: str | None = None  # the model version it runs on: fixed at its first dispatch
@@ -203,9 +224,17 @@ class Ticket:
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
 
-    async def finish(self, used_tokens: int) -> None:
-        """Settles the quota (refunds reserved - used; everything, the request included, when it never reached a
-        worker) and frees its room. Idempotent."""
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def finish(self, used_tokens: int) -> None:
+        """Frees everything the request holds, at once and exactly once (idempotent): its place in the line, its
+        room on a worker, the in-flight count, then the quota: refunds reserved - used (everything, the request
+        included, when it never reached a worker) and the tenant's concurrency lease. Synchronous on purpose: it runs
+        from cleanup paths inside cancelled scopes (a client that disconnected), where any await would raise again
+        and skip the rest; the limiter's settlement (Redis: a round trip) runs in the gateway's background, with
+        retries."""
         if self._finished:
             return
         self._finished = True
@@ -220,14 +249,14 @@ class Ticket:
         if self._rebinding is not None and not self._rebinding.done():
             self._rebinding.cancel()
         if self.worker is not None:
-            g._release(self.worker, self.band)
+            g._release(self.worker, self.band, self.num_seqs)
+        g._close_ticket(self)
         if dispatched:
             g._observe_output(used_tokens, self.reserved_tokens)
         used = used_tokens if dispatched else 0
         if g.metrics is not None:
             g.metrics.tenant_tokens.labels(self.tenant.name).inc(min(used, self.reserved_tokens))
-        await g.limiter.settle(self.tenant.name, self.tenant.limits, self.lease_id, self.reserved_tokens, used,
-                               refund_request=not dispatched)
+        g._settle(self.tenant, self.lease_id, self.reserved_tokens, used, refund_request=not dispatched)
         g.pump()
 
 
@@ -263,15 +292,20 @@ class Gateway:
         self._version_counts: dict[str, int] = {}
         self.on_bind: list = []  # callbacks (ticket) after every first dispatch (rollout statistics)
         self._arrivals: deque[tuple[float, float]] = deque()  # (time, expected tokens) of admitted requests
+        self.open_by_tenant: dict[str, list[int]] = {}  # tenant -> [open tickets, their reserved tokens]
+        self._settling: set[asyncio.Task] = set()  # limiter settlements under way (retried while Redis fails)
         router.on_change.append(self.pump)
         if metrics is not None:  # read at scrape time: never stale
+            metrics.watch_gateway(self)
             metrics.drain_rate.set_function(lambda: self.drain.rate(time.perf_counter()) or 0.0)
 
     # ---- admission ------------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
-                    queue_timeout: float | None = None, prompt: list[int] | None = None) -> Ticket:
-        """Reserves quota and binds or queues the request. Raises RateLimited (429), Overloaded (503) or
-        NoWorkerAvailable (503: no worker at all)."""
+                    queue_timeout: float | None = None, prompt: list[int] | None = None,
+                    num_seqs: int = 1, cache_salt: str = "") -> Ticket:
+        """Reserves quota and binds or queues the request. Raises RateLimited (429), QueueShareExceeded (429: the
+        tenant already fills its share of the line), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
+        num_seqs: the sequences the request runs (prompts x n), the room it takes on a worker."""
         if self.closing:
             raise NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
         if not self.router.ready:
@@ -282,21 +316,85 @@ class Gateway:
         if not decision.allowed:
             self._count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
-        ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout)
+        ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
+        self._open_ticket(ticket)
         if prompt is not None:
-            ticket.prompt_hashes = self.router.prompt_hashes(prompt)
+            ticket.prompt_hashes = self.router.prompt_hashes(prompt, salt=cache_salt) if cache_salt else \
+                self.router.prompt_hashes(prompt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
         ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
                                payload=ticket)
         try:
             self._enqueue(ticket)
-        except Overloaded:
-            await ticket.finish(0)
-            self._count("overloaded")
+        except (Overloaded, QueueShareExceeded) as e:
+            ticket.finish(0)
+            self._count("overloaded" if isinstance(e, Overloaded) else "queue_share")
             raise
         self._count("admitted")
-        self._arrivals.append((time.perf_counter(), expected))
+        now = time.perf_counter()
+        self._arrivals.append((now, expected))
+        self._trim_arrivals(now)
         return ticket
+
+    async def charge_request(self, tenant: Tenant) -> None:
+        """Counts a request that runs no generation (/tokenize) against the tenant's request rate: RateLimited when
+        the tenant is over it."""
+        lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
+        decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, 0)
+        if not decision.allowed:
+            self._count(f"rate_limited_{decision.reason}")
+            raise RateLimited(tenant, decision, 0, self.limiter.window)
+        self._settle(tenant, lease_id, 0, 0, refund_request=False)
+
+    # ---- what admitted requests hold ------------------------------------------------------------------------
+    def _open_ticket(self, ticket: Ticket) -> None:
+        held = self.open_by_tenant.setdefault(ticket.tenant.name, [0, 0])
+        held[0] += 1
+        held[1] += ticket.reserved_tokens
+
+    def _close_ticket(self, ticket: Ticket) -> None:
+        held = self.open_by_tenant.get(ticket.tenant.name)
+        if held is not None:
+            held[0] -= 1
+            held[1] -= ticket.reserved_tokens
+            if held[0] <= 0:
+                del self.open_by_tenant[ticket.tenant.name]
+
+    @property
+    def num_open(self) -> int:
+        """Admitted requests not finished yet (waiting, bound to a worker, or being moved to another)."""
+        return sum(held[0] for held in self.open_by_tenant.values())
+
+    def _settle(self, tenant: Tenant, lease_id: str, reserved: int, used: int, refund_request: bool) -> None:
+        """Settles a lease with the limiter in the background (never awaited by a request's cleanup), retried with
+        backoff while the limiter fails (Redis down): the lease is given back as soon as it can be."""
+        task = asyncio.get_running_loop().create_task(
+            self._settle_with_retries(tenant, lease_id, reserved, used, refund_request))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_with_retries(self, tenant: Tenant, lease_id: str, reserved: int, used: int,
+                                   refund_request: bool) -> None:
+        delay, deadline = SETTLE_RETRY_S[0], time.monotonic() + SETTLE_GIVE_UP_S
+        while True:
+            try:
+                await self.limiter.settle(tenant.name, tenant.limits, lease_id, reserved, used,
+                                          refund_request=refund_request)
+                return
+            except Exception as e:  # noqa: BLE001 - any failure of the limiter: retry, the lease must come back
+                if time.monotonic() + delay > deadline:
+                    log.error("giving up settling lease %s of tenant %s after %.0f s: %s (its slot comes back when "
+                              "the lease expires)", lease_id, tenant.name, SETTLE_GIVE_UP_S, e)
+                    return
+                log.warning("settling lease %s of tenant %s failed (%s); retrying in %.1f s", lease_id,
+                            tenant.name, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, SETTLE_RETRY_S[1])
+
+    async def wait_settled(self) -> None:
+        """Returns once every settlement started so far has ended (shutdown, tests)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
 
     def _enqueue(self, ticket: Ticket) -> None:
         w = ticket.waiter
@@ -307,8 +405,9 @@ class Gateway:
             raise Overloaded(f"the service is saturated: the waiting line is full ({line.num_requests} requests, "
                              f"{line.num_tokens} reserved tokens; limits {line.max_requests} and {line.max_tokens})",
                              self._retry_after(line.expected_ahead(len(TIERS) - 1)))
+        self._check_tenant_share(w)
         ahead = line.expected_ahead(w.band)
-        if ahead > 0 or not self._has_room(w.band):
+        if ahead > 0 or not self._has_room(w.band, ticket.num_seqs):
             rate = self.drain.rate(time.perf_counter())
             if rate:
                 wait = (ahead + w.expected_tokens) / rate
@@ -320,6 +419,20 @@ class Gateway:
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
         self.pump()
+
+    def _check_tenant_share(self, w: Waiter) -> None:
+        share = self.options.tenant_queue_share
+        if share >= 1.0:
+            return
+        line = self.line
+        requests, tokens = line.tenant_load(w.tenant)
+        max_requests = max(1, math.floor(line.max_requests * share))
+        max_tokens = max(w.reserved_tokens, math.floor(line.max_tokens * share))
+        if requests + 1 > max_requests or tokens + w.reserved_tokens > max_tokens:
+            raise QueueShareExceeded(
+                f"tenant {w.tenant} already has {requests} requests ({tokens} reserved tokens) waiting: its share of "
+                f"the waiting line is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
+                "of them have started.", self._retry_after(line.expected_ahead(w.band)))
 
     def _shed_for(self, w: Waiter) -> None:
         """Drops the newest waiters of worse bands until w fits (or none is left)."""
@@ -362,23 +475,28 @@ class Gateway:
         hello = worker.hello
         return (hello.max_num_seqs if hello is not None else 1) + self.options.worker_queue_depth
 
-    def _room_on(self, worker: WorkerClient, band: int) -> bool:
+    def _room_on(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> bool:
+        """Room for num_seqs more sequences of this band (or better). A request with more sequences than a worker
+        holds at all still fits an idle worker (the engine runs what fits, the rest waits there)."""
         assigned = self._assigned.get(worker)
-        return assigned is None or sum(assigned[: band + 1]) < self._capacity(worker)
+        if assigned is None:
+            return True
+        used = sum(assigned[: band + 1])
+        return used == 0 or used + num_seqs <= self._capacity(worker)
 
     def _load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))
 
-    def _candidates(self, band: int, version: str | None) -> list[WorkerClient]:
+    def _candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
         return [w for w in self.router.workers
-                if w.usable and self._room_on(w, band) and (version is None or w.version == version)]
+                if w.usable and self._room_on(w, band, num_seqs) and (version is None or w.version == version)]
 
-    def _has_room(self, band: int) -> bool:
-        return bool(self._candidates(band, None))
+    def _has_room(self, band: int, num_seqs: int = 1) -> bool:
+        return bool(self._candidates(band, None, num_seqs))
 
     def _pick(self, ticket: Ticket) -> WorkerClient | None:
         version = ticket.version or self._choose_version(ticket.band)
-        candidates = self._candidates(ticket.band, version)
+        candidates = self._candidates(ticket.band, version, ticket.num_seqs)
         if not candidates:
             return None
         return self.router.rank(candidates, self._load, ticket.prompt_hashes)
@@ -426,7 +544,7 @@ class Gateway:
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
         if not self._assigned:
             self.drain.busy(time.perf_counter())
-        self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
+        self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
         self._num_dispatched += 1
         ticket.worker = worker
         ticket.version = worker.version
@@ -443,7 +561,7 @@ class Gateway:
 
     # ---- replay ---------------------------------------------------------------------------------------------
     def _replay(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> None:
-        self._release(lost, ticket.band)
+        self._release(lost, ticket.band, ticket.num_seqs)
         ticket.worker = None
         if self.closing:
             ticket._rebinding.set_exception(error)
@@ -477,10 +595,10 @@ class Gateway:
                 replay.timer.cancel()
                 continue
             version = ticket.version or self._choose_version(ticket.band)
-            candidates = [w for w in self._candidates(ticket.band, version) if w is not lost]
+            candidates = [w for w in self._candidates(ticket.band, version, ticket.num_seqs) if w is not lost]
             if candidates:
                 worker = self.router.rank(candidates, self._load, ticket.prompt_hashes)
-                self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += 1
+                self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
                 ticket.worker = worker
                 ticket.version = worker.version
                 ticket.num_replays += 1
@@ -505,9 +623,13 @@ class Gateway:
 
     def arrival_rate(self, now: float, window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> float:
         """Expected tokens (prompt + expected output) of the requests admitted per second over the last window."""
-        while self._arrivals and self._arrivals[0][0] < now - window:
+        self._trim_arrivals(now, window)
+        return sum(tokens for t, tokens in self._arrivals if t >= now - window) / window
+
+    def _trim_arrivals(self, now: float, window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> None:
+        keep = max(window, DEFAULT_AUTOSCALE_WINDOW_S)  # on append: bounded by the autoscaler's window
+        while self._arrivals and self._arrivals[0][0] < now - keep:
             self._arrivals.popleft()
-        return sum(tokens for _, tokens in self._arrivals) / window
 
     def close(self) -> None:
         """The server is shutting down: refuse new work, fail what waits in the line and every pending replay."""
@@ -520,13 +642,13 @@ class Gateway:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests bound to a worker (or being moved to another)."""
-        return sum(sum(a) for a in self._assigned.values()) + len(self._replays)
+        """Sequences bound to a worker (or being moved to another)."""
+        return sum(sum(a) for a in self._assigned.values()) + sum(r.ticket.num_seqs for r in self._replays)
 
-    def _release(self, worker: WorkerClient, band: int) -> None:
+    def _release(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
         assigned = self._assigned.get(worker)
         if assigned is not None:
-            assigned[band] -= 1
+            assigned[band] -= num_seqs
             if not any(assigned):
                 del self._assigned[worker]
                 if not self._assigned:

@@ -183,5 +183,9 @@ class InProcessLimiter:
     def in_flight(self, tenant: str) -> int:
         return len(self._leases.get(tenant, ()))
 
+    def leases_held(self) -> dict[str, int]:
+        """tenant -> concurrency slots held now (metrics)."""
+        return {tenant: len(held) for tenant, held in self._leases.items()}
+
     async def close(self) -> None:
         pass

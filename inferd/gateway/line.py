@@ -55,6 +55,7 @@ class WaitingLine:
         self.num_tokens = 0  # reserved tokens of the waiters
         self.expected_tokens = [0.0] * len(TIERS)  # per band
         self.num_by_band = [0] * len(TIERS)
+        self._by_tenant: dict[str, list[int]] = {}  # tenant -> [waiters, their reserved tokens], all bands
         self._seq = 0
 
     def __len__(self) -> int:
@@ -62,6 +63,11 @@ class WaitingLine:
 
     def fits(self, reserved_tokens: int) -> bool:
         return self.num_requests < self.max_requests and self.num_tokens + reserved_tokens <= self.max_tokens
+
+    def tenant_load(self, tenant: str) -> tuple[int, int]:
+        """(requests, reserved tokens) of one tenant's waiters, all bands together."""
+        held = self._by_tenant.get(tenant)
+        return (held[0], held[1]) if held is not None else (0, 0)
 
     def expected_ahead(self, band: int) -> float:
         """Expected tokens of the waiters that go before a new request of this band (its band and the better)."""
@@ -131,6 +137,11 @@ class WaitingLine:
         self.num_requests += sign
         self.num_tokens += sign * w.reserved_tokens
         self.num_by_band[w.band] += sign
+        held = self._by_tenant.setdefault(w.tenant, [0, 0])
+        held[0] += sign
+        held[1] += sign * w.reserved_tokens
+        if held[0] == 0:
+            del self._by_tenant[w.tenant]
         self.expected_tokens[w.band] += sign * w.expected_tokens
         if self.num_by_band[w.band] == 0:
             self.expected_tokens[w.band] = 0.0  # no float drift left behind by an empty band

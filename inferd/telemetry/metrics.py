@@ -94,6 +94,16 @@ class Metrics:
                                    registry=r)
         r.register(_EngineCollector(model, engine_stats))
         r.register(_WorkerCollector(workers, affinity))
+        self.sse_write_timeouts = Counter("inferd_sse_write_timeouts", "Streams closed because their client read "
+                                          "nothing for --sse-write-timeout", registry=r)
+        self._gateway = None
+
+    def watch_gateway(self, gateway) -> None:
+        """Exports what the gateway's admitted requests hold (read at scrape time): the room and leases that must all
+        come back when the requests end."""
+        if self._gateway is None:
+            self.registry.register(_GatewayCollector(lambda: self._gateway))
+        self._gateway = gateway
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -148,6 +158,44 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
+
+
+class _GatewayCollector:
+    """Open requests (admitted, not finished), the worker room they take, per tenant what they reserved, and the
+    concurrency leases the in-process limiter holds."""
+
+    def __init__(self, gateway: Callable[[], object | None]):
+        self.gateway = gateway
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.gateway()
+        if g is None:
+            return
+        yield GaugeMetricFamily("inferd_gateway_open_requests", "Admitted requests not finished (waiting, running "
+                                "or being moved to another worker)", value=g.num_open)
+        yield GaugeMetricFamily("inferd_gateway_in_flight_sequences", "Sequences bound to a worker (or being moved "
+                                "to another): the workers' room in use", value=g.num_in_flight)
+        yield GaugeMetricFamily("inferd_gateway_settlements_pending", "Quota settlements not done yet (retried "
+                                "while the limiter fails)", value=len(g._settling))
+        open_requests = GaugeMetricFamily("inferd_tenant_open_requests", "A tenant's admitted requests not finished",
+                                          labels=["tenant"])
+        reserved = GaugeMetricFamily("inferd_tenant_reserved_tokens", "Tokens a tenant's open requests reserved",
+                                     labels=["tenant"])
+        for tenant, (count, tokens) in sorted(g.open_by_tenant.items()):
+            open_requests.add_metric([tenant], count)
+            reserved.add_metric([tenant], tokens)
+        yield open_requests
+        yield reserved
+        in_flight = getattr(g.limiter, "leases_held", None)
+        if in_flight is not None:
+            leases = GaugeMetricFamily("inferd_tenant_concurrency_leases", "Concurrency slots the in-process limiter "
+                                       "holds for a tenant", labels=["tenant"])
+            for tenant, count in sorted(in_flight().items()):
+                leases.add_metric([tenant], count)
+            yield leases
 
 
 class _WorkerCollector:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..config import ENGINE_MAX_WAITING
 from ..engine import Engine, InvalidRequestError, RequestOutput
 from .faults import FaultInjector
 from .protocol import (OUTPUTS, AddRequest, WorkerStats, error_message, output_entry, rejected_message)
@@ -169,6 +170,10 @@ class EngineLoop:
             return  # dispatched by a connection that is already gone: nobody would read the tokens
         if self._stop_deadline is not None:
             peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down", retry=True))
+            return
+        if len(self.engine.scheduler.waiting) >= ENGINE_MAX_WAITING:  # several gateways overfilling one worker
+            peer.send(rejected_message(request.request_id, request.epoch, f"the worker's queue is full "
+                                       f"({ENGINE_MAX_WAITING} requests waiting)", retry=True))
             return
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,

@@ -51,7 +51,8 @@ def check(result: dict) -> str:
         too_large = error["code"] == "request_too_large"
         assert too_large or int(headers["Retry-After"]) >= 1, error
         assert (status, error["code"]) in {(429, "rate_limit_exceeded"), (429, "request_too_large"),
-                                           (503, "overloaded"), (503, "queue_timeout")}, error
+                                           (429, "queue_share_exceeded"), (503, "overloaded"),
+                                           (503, "queue_timeout")}, error
         return error["code"]
     if not result["stream"]:
         body = json.loads("".join(lines))

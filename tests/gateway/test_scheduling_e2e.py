@@ -192,8 +192,9 @@ def test_at_the_bound_a_more_important_request_sheds_the_newest_worse_one(serve,
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = make_keys(path, {"busy": {"tier": "interactive"}, "late": {}, "bulk": {"tier": "batch"},
                             "vip": {"tier": "interactive"}})
+    # the line's bound is what is tested: no per-tenant share of it (every request here is one of two tenants)
     server = serve("--keys", str(path), "--max-num-seqs", "1", "--worker-queue-depth", "0", "--max-queue-requests",
-                   "2", "--heartbeat-timeout", "120", name="shed")
+                   "2", "--heartbeat-timeout", "120", "--tenant-queue-share", "1", name="shed")
     [worker] = server.worker_pids()
     hold = Frozen(server, keys, worker)  # an interactive request holds the only slot
     results: dict[str, httpx.Response] = {}
