@@ -107,16 +107,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        prep = await serving.prepare(body, request.scope[RECEIVED_AT])
-        del body  # the text is tokenized: not held while the request waits
-        return await _generate(serving, prep, request)
+        return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        prep = await serving.prepare(body, request.scope[RECEIVED_AT])
-        del body
-        return await _generate(serving, prep, request)
+        return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:
@@ -265,25 +261,42 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
     headers = ticket.decision.headers()
     if prep.stream:
         return await _start_stream(state, run, ticket, band, request, headers)
-    try:
-        async def run_to_end() -> dict:
-            worker = ticket.worker or await ticket.wait()  # bound at admission unless it had to wait in the line
-            run.dispatch(worker, band, ticket.queue_seconds)
-            return await complete(run)
 
-        body = await _until_disconnect(request, run_to_end())
+    async def respond() -> Response:
+        worker = ticket.worker or await ticket.wait()  # bound at admission unless it had to wait in the line
+        run.dispatch(worker, band, ticket.queue_seconds)
+        body = await complete(run)
         response = JSONResponse(body, headers={**headers, **_dispatch_headers(ticket)})
         _observe_overhead(state, prep, run, ticket)
         return response
-    except _ClientGone:  # nobody is left to read a response: do not log it as a server error
-        return Response(status_code=499)
-    except APIError:
-        raise
-    except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected, ...
-        run.error = e
-        raise worker_error(e) from None
-    finally:
-        run.close()
+
+    return _RunResponse(respond, run)
+
+
+class _RunResponse(Response):
+    """A non-streaming generation, run when the response is sent rather than in the route: by then the route's
+    frame, and FastAPI's that parsed the body, are gone, so a request waiting in the line holds its token ids but
+    not its request body. Errors before the response starts are still HTTP errors; a client that disconnects
+    aborts the run."""
+
+    def __init__(self, respond, run: Run):
+        super().__init__(status_code=200)
+        self.respond = respond
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            response = await _until_disconnect(receive, self.respond())
+        except _ClientGone:  # nobody is left to read a response: do not log it as a server error
+            response = Response(status_code=499)
+        except APIError as e:
+            response = e.response()
+        except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected..
+            self.run.error = e
+            response = worker_error(e).response()
+        finally:
+            self.run.close()
+        await response(scope, receive, send)
 
 
 def _end(state: ServerState, ticket, run: Run) -> None:
@@ -345,7 +358,7 @@ async def _start_stream(state: ServerState, run: Run, ticket, band: int, request
 
     starting = asyncio.ensure_future(start())
     try:
-        await _until_disconnect(request, asyncio.wait({starting}, timeout=state.sse_keepalive_s))
+        await _until_disconnect(request.receive, asyncio.wait({starting}, timeout=state.sse_keepalive_s))
         sse_headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if starting.done():
             events, first = starting.result()  # raises a refusal as an HTTP error
@@ -459,11 +472,11 @@ class _ClientGone(Exception):
     pass
 
 
-async def _until_disconnect(request: Request, coro):
-    """Awaits coro unless the client disconnects first: then coro is cancelled (which aborts the request in the
-    worker) and _ClientGone is raised."""
+async def _until_disconnect(receive, coro):
+    """Awaits coro unless the client disconnects first (receive: the ASGI receive): then coro is cancelled (which
+    aborts the request in the worker) and _ClientGone is raised."""
     work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -475,8 +488,8 @@ async def _until_disconnect(request: Request, coro):
     raise _ClientGone()
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
