@@ -112,7 +112,10 @@ def engine_config(args, path: str, kv_bytes: int, max_batch: int, cuda_graphs: b
     return EngineConfig(model=path, dtype=args.dtype, device=args.device, kv_cache_bytes=kv_bytes,
                         max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch),
                         max_model_len=args.prompt_tokens + max(args.new_tokens, PARITY_TOKENS) + 16,
-                        enable_prefix_caching=False, detokenize=False, cuda_graphs=cuda_graphs)
+                        enable_prefix_caching=False, detokenize=False, cuda_graphs=cuda_graphs,
+                        # a dry run on a CPU, where graphs cannot be captured: the graphs' static-shape decode path
+                        # runs uncaptured, so the parity check still compares it with the eager path
+                        static_decode=cuda_graphs and args.dry_run)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, record_logits: bool = False) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,9 @@ class EngineConfig:
     # decode steps replayed as CUDA graphs, captured at start for a ladder of batch sizes (inferd/engine/cuda_graph.py);
     # only on CUDA (and one process): ignored on a CPU and under tensor parallelism
     cuda_graphs: bool = True
+    # the CUDA graphs' static-shape decode path without capturing graphs, on any device (CPU checks of that path:
+    # tests, bench/gpu_check.py --dry-run); off in serving
+    static_decode: bool = False
     # None, or "ngram": speculative decoding by prompt lookup (inferd/engine/speculative.py); outputs are those of
     # plain decoding (greedy and seeded sampling alike), steps that accept drafts emit several tokens
     speculative: str | None = None
@@ -153,9 +157,15 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+# `auto` on a CPU, whatever the CPU has: "bfloat16" or "float32" (so that the suite can run as if on the other kind
+# of machine: bf16 is what `make serve` runs on AVX-512 BF16 / AMX machines, fp32 on AVX2-only ones)
+AUTO_DTYPE_ENV = "INFERD_AUTO_DTYPE"
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """auto: bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX), else fp32.
-    On a CPU without them bf16 matmuls are emulated and run ~100x slower than fp32."""
+    """auto: bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX-512 BF16 or AMX), else fp32;
+    on a CPU, $INFERD_AUTO_DTYPE (bfloat16 or float32) decides instead when set. On a CPU without native bf16,
+    bf16 matmuls are emulated and run ~100x slower than fp32."""
     import torch  # here, not at the top: the gateway and `inferd keys` read this module without needing torch
 
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -166,6 +176,11 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose auto, float32, bfloat16 or float16)")
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    forced = os.environ.get(AUTO_DTYPE_ENV, "").strip().lower()
+    if forced:
+        if forced not in ("bfloat16", "bf16", "float32", "fp32"):
+            raise ValueError(f"${AUTO_DTYPE_ENV} must be bfloat16 or float32, got {forced!r}")
+        return names[forced]
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 

@@ -61,6 +61,13 @@ def assert_greedy_parity(ours: list[int], our_logits: list[torch.Tensor] | None,
                          label: str = "") -> int:
     """Returns the number of positions compared exactly (len(ref.tokens) when all match)."""
     assert len(ours) == len(ref.tokens), f"{label}: {len(ours)} tokens, reference has {len(ref.tokens)}"
+    return greedy_prefix_parity(ours, our_logits, ref, label)
+
+
+def greedy_prefix_parity(ours: list[int], our_logits: list[torch.Tensor] | None, ref: Reference,
+                         label: str = "") -> int:
+    """The greedy exactness rule over the positions both have (ours may be shorter: a stop ended it). Returns the
+    number of positions compared exactly: all of them, or the position of an accepted near-tie divergence."""
     max_diff = 0.0
     for i, (a, b) in enumerate(zip(ours, ref.tokens)):
         if a != b:
@@ -74,7 +81,39 @@ def assert_greedy_parity(ours: list[int], our_logits: list[torch.Tensor] | None,
             return i
         if our_logits is not None:
             max_diff = max(max_diff, float((our_logits[i] - torch.from_numpy(ref.logits[i])).abs().max()))
-    return len(ours)
+    return min(len(ours), len(ref.tokens))
+
+
+def assert_sampling_match(a: list[int], b: list[int], logits: list[torch.Tensor], params, seed: int,
+                          start: int, label: str = "") -> int:
+    """Exactness rule for seeded sampling: a divergence only where the uniform draw lies within 1e-3 of a CDF
+    boundary of the filtered distribution (logits: b's, the reference's; start: the position of a[0] in the
+    sequence). Returns the number of positions compared exactly."""
+    from inferd.engine.sampler import filtered_sorted_probs, uniform_draw
+
+    assert len(a) == len(b), f"{label}: {len(a)} tokens, reference has {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            probs, _ = filtered_sorted_probs(logits[i], params)
+            cdf = torch.cumsum(probs, 0)
+            u = uniform_draw(seed, start + i)
+            assert float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3, f"{label}: position {i}: {x} != {y}"
+            return i
+    return len(a)
+
+
+def assert_same_output(ours, ref, params, label: str = "") -> None:
+    """ours equals ref (both finished engine requests of the same prompt and params, with recorded logits) by the
+    exactness rule, greedy or seeded; the finish reasons too when every position matched."""
+    if params.greedy:
+        compared = assert_greedy_parity(ours.output_token_ids, ours.debug_logits,
+                                        Reference(ref.output_token_ids,
+                                                  np.stack([x.float().numpy() for x in ref.debug_logits])), label)
+    else:
+        compared = assert_sampling_match(ours.output_token_ids, ref.output_token_ids, ref.debug_logits, params,
+                                         params.seed, ref.num_prompt_tokens, label)
+    if compared == len(ref.output_token_ids):
+        assert (ours.finish_reason, ours.stop_reason) == (ref.finish_reason, ref.stop_reason), label
 
 
 def run_staggered(engine, prompts: list[list[int]], params, every: int = 2):

@@ -338,7 +338,7 @@ def _observe_overhead(state: ServerState, prep: Prepared, run: Run, ticket) -> N
 def _dispatch_headers(ticket) -> dict[str, str]:
     headers = {"x-inferd-queue-seconds": f"{ticket.queue_seconds:.4f}", "x-inferd-dispatch-seq": str(ticket.dispatch_seq),
                "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.band]}
-    worker = ticket.worker
+    worker = ticket.first_worker
     if worker is not None and worker.hello is not None:  # where it ran (first dispatch): routing is observable
         headers["x-inferd-worker"] = worker.hello.worker_id
         headers["x-inferd-model-version"] = worker.hello.version

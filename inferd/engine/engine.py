@@ -99,14 +99,15 @@ class Engine:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
-        decode_graphs = wants_decode_graphs(config) and num_blocks > 1
+        static = config.static_decode and num_blocks > 1  # the same path uncaptured (a CPU check of it)
+        decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1
         self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel, kv_dtype=self.kv_dtype)
         if decode_graphs:
-            self.runner.decode_graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len,
-                                                     scratch_block=num_blocks - 1).capture()
+            graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, scratch_block=num_blocks - 1)
+            self.runner.decode_graphs = graphs if static and not wants_decode_graphs(config) else graphs.capture()
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,

@@ -162,6 +162,7 @@ class Ticket:
         self.admitted_at = time.perf_counter()
         self.dispatched_at: float | None = None
         self.worker: WorkerClient | None = None
+        self.first_worker: WorkerClient | None = None  # where it was first dispatched (a replay moves `worker`)
         self.waiter: Waiter | None = None
         self.dispatch_seq = 0  # order of dispatch (1, 2, ...)
         self.dispatched_ahead = 0  # requests dispatched while this one waited
@@ -546,7 +547,7 @@ class Gateway:
             self.drain.busy(time.perf_counter())
         self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
         self._num_dispatched += 1
-        ticket.worker = worker
+        ticket.worker = ticket.first_worker = worker
         ticket.version = worker.version
         self._version_counts[worker.version] = self._version_counts.get(worker.version, 0) + 1
         self.router.remember(worker, ticket.prompt_hashes)

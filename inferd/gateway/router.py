@@ -17,6 +17,8 @@ router gave up on are dropped.
 
 from __future__ import annotations
 
+import re
+
 import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -138,19 +140,23 @@ class Router:
     def rank(self, candidates: list[WorkerClient], load: Callable[[WorkerClient], float],
              hashes: list[bytes]) -> WorkerClient:
         """The best of candidates: the longest cached prefix (at least PREFIX_AFFINITY_MIN_BLOCKS blocks), then
-        the least load."""
+        the least load; ties go to the smallest worker id (deterministic: never the order in which workers happened
+        to attach)."""
+        def key(w: WorkerClient):
+            return load(w), _worker_order(w)
+
         if hashes:
             self.affinity_queries += 1
             best, best_blocks = None, PREFIX_AFFINITY_MIN_BLOCKS - 1
             for w in candidates:
                 index = self._prefixes.get(w)
                 n = index.matched(hashes) if index is not None else 0
-                if n > best_blocks or (n == best_blocks and best is not None and load(w) < load(best)):
+                if n > best_blocks or (n == best_blocks and best is not None and key(w) < key(best)):
                     best, best_blocks = w, n
             if best is not None:
                 self.affinity_hits += 1
                 return best
-        return min(candidates, key=load)
+        return min(candidates, key=key)
 
     def remember(self, worker: WorkerClient, hashes: list[bytes]) -> None:
         index = self._prefixes.get(worker)
@@ -161,7 +167,7 @@ class Router:
         live = [w for w in self.workers if w.usable]
         if not live:
             raise NoWorkerAvailable(f"no worker is available: {self.not_ready_reason}")
-        return min(live, key=lambda w: w.num_streams)
+        return min(live, key=lambda w: (w.num_streams, _worker_order(w)))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        worker: WorkerClient | None = None, num_prompt_tokens: int | None = None
@@ -176,3 +182,9 @@ class Router:
                 yield out
         finally:
             await stream.aclose()
+
+
+def _worker_order(w: WorkerClient) -> tuple:
+    """A stable order among workers: by id, numbers compared as numbers (worker-2 before worker-10)."""
+    wid = w.hello.worker_id if w.hello is not None else ""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", wid))

@@ -21,9 +21,13 @@ def token_ids(logprob_tokens: list[str]) -> list[int]:
 
 
 def assert_same_greedy(served: list[int], served_logprobs: list[float], offline: list[int],
-                       offline_logits: list[torch.Tensor], label: str = "") -> int:
-    """The number of positions compared exactly (all of them unless a near-tie let the runs part)."""
-    assert len(served) == len(offline), f"{label}: served {len(served)} tokens, offline {len(offline)}"
+                       offline_logits: list[torch.Tensor], label: str = "", prefix: bool = False) -> int:
+    """The number of positions compared exactly (all of them unless a near-tie let the runs part). prefix: served
+    may be shorter than offline (a stop ended it)."""
+    if prefix:
+        assert len(served) <= len(offline), f"{label}: served {len(served)} tokens, offline {len(offline)}"
+    else:
+        assert len(served) == len(offline), f"{label}: served {len(served)} tokens, offline {len(offline)}"
     max_diff = 0.0
     for i, (a, b) in enumerate(zip(served, offline)):
         row = offline_logits[i].float()

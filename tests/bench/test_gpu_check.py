@@ -61,25 +61,28 @@ def test_engine_and_transformers_runs(dry_run):
         for label in ("cuda_graphs", "eager"):
             run = m[label]
             assert run["cuda_graphs_flag"] is (label == "cuda_graphs")
-            # on a CPU the flag is ignored: nothing captured, no block kept back, no step on the graph path
-            assert run["graphs_captured"] == 0 and run["graph_steps"] == 0 and run["capture_bytes"] == 0
+            # on a CPU nothing is captured; the dry run's graphs engine runs the graphs' static-shape decode path
+            # uncaptured (so the parity below compares that path with the eager one), the eager engine never does
+            assert run["graphs_captured"] == 0 and run["capture_bytes"] == 0
+            assert (run["graph_steps"] > 0) is (label == "cuda_graphs")
             assert run["load_s"] > 0 and run["kv_blocks"] > 0
             assert [p["batch"] for p in run["points"]] == BATCHES
             for point, batch in zip(run["points"], BATCHES):
                 check_run(point, batch)
                 assert point["decode_steps"] == NEW - 1  # one prefill step gives the first token of every row
                 assert point["decode_step_ms"] > 0
-        assert m["cuda_graphs"]["kv_blocks"] == m["eager"]["kv_blocks"]
+        assert m["cuda_graphs"]["kv_blocks"] == m["eager"]["kv_blocks"] - 1  # the padded rows' scratch block
         for g, e, h in zip(m["cuda_graphs"]["points"], m["eager"]["points"], m["hf_generate"]["points"]):
             r = m["ratios"][str(g["batch"])]
             assert r["graphs_over_eager_tokens_per_s"] == pytest.approx(g["tokens_per_s"] / e["tokens_per_s"])
             assert r["graphs_over_hf_tokens_per_s"] == pytest.approx(g["tokens_per_s"] / h["tokens_per_s"])
             assert r["eager_over_graphs_decode_step"] == pytest.approx(e["decode_step_ms"] / g["decode_step_ms"])
         parity = m["parity_graphs_vs_eager"]
-        # both engines run the same eager code on a CPU: every token compared, identical logits
-        assert parity == {"requests": PARITY_BATCH, "tokens": PARITY_BATCH * PARITY_TOKENS,
-                          "matched": PARITY_BATCH * PARITY_TOKENS, "ok": True, "failures": [],
-                          "max_logit_diff": 0.0}
+        # the static path (padded batches and block tables) against the eager one, by the exactness rule: every
+        # token compared unless a near-tie let them part, logits all but equal (fp32)
+        assert parity["ok"] and parity["failures"] == [], parity
+        assert (parity["requests"], parity["tokens"]) == (PARITY_BATCH, PARITY_BATCH * PARITY_TOKENS)
+        assert parity["matched"] > 0 and parity["max_logit_diff"] < 1e-3, parity
 
 
 def test_profile_and_outputs(dry_run):

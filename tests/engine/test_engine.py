@@ -7,8 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from inferd.engine import AsyncEngine, InvalidRequestError, SamplingParams, uniform_draw
+from inferd.engine import AsyncEngine, InvalidRequestError, SamplingParams
 from inferd.engine.sampler import filtered_sorted_probs, sample_row
+from tests.parity import assert_sampling_match
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 11, 64, 128, 3, 9]
 
@@ -99,20 +100,6 @@ def test_max_tokens_stop_tokens_and_eos(micro):
     [ign] = engine.generate([PROMPT], greedy)
     assert ign.output_token_ids == out
     engine.kv_cache.check_no_leaks()
-
-
-def assert_sampling_match(a: list[int], b: list[int], logits: list[torch.Tensor], params, seed: int,
-                          start: int) -> None:
-    """Exactness rule for sampling: a divergence only where the uniform draw lies within 1e-3 of a CDF
-    boundary of the filtered distribution."""
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            probs, _ = filtered_sorted_probs(logits[i], params)
-            cdf = torch.cumsum(probs, 0)
-            u = uniform_draw(seed, start + i)
-            assert float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3, f"position {i}: {x} != {y}"
-            return
 
 
 def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):

@@ -58,9 +58,9 @@ def parse_ready(line: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def start_process(command: list[str], log_path: Path) -> subprocess.Popen:
+def start_process(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, bufsize=0, env=ENV,
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**ENV, **(env or {})},
                                 start_new_session=True)
 
 
@@ -73,12 +73,14 @@ def spawn_worker(tiny_llama_dir, tmp_path):
     """A factory of worker processes, all killed (whole process group) at the end of the test."""
     procs: list[subprocess.Popen] = []
 
-    def spawn(*extra: str, via_parent: bool = False, model: str | Path | None = None) -> WorkerProcess:
+    def spawn(*extra: str, via_parent: bool = False, model: str | Path | None = None,
+              env: dict[str, str] | None = None) -> WorkerProcess:
         """via_parent: the worker is the child of an intermediate `python -c` (whose proc is returned).
-        model: another model than the tiny Llama."""
+        model: another model than the tiny Llama. env: added to the worker's environment (INFERD_FAULT)."""
         log_path = tmp_path / f"worker-{len(procs)}.log"
         command = worker_command(model or tiny_llama_dir, *extra)
-        proc = start_process([sys.executable, "-c", PARENT_CODE, *command] if via_parent else command, log_path)
+        proc = start_process([sys.executable, "-c", PARENT_CODE, *command] if via_parent else command, log_path,
+                             env)
         procs.append(proc)
         line = read_line(proc, READY_TIMEOUT_S, log_path)
         pid, line = line.split(" ", 1) if via_parent else (proc.pid, line)
