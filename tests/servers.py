@@ -63,6 +63,28 @@ class Server:
             time.sleep(0.05)
 
 
+def spawn(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A process in its own process group (kill_group kills it whole), stdout piped (its READY line), stderr to
+    log_path, the suite's environment plus env."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**ENV, **(env or {})},
+                                start_new_session=True)
+
+
+def start_ready(command: list[str], log_path: Path, prefix: str, env: dict[str, str] | None = None,
+                timeout: float = READY_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+    """spawn(), then its first stdout line, which must start with prefix: (the process, the rest of that line).
+    The process is killed when it never says so."""
+    proc = spawn(command, log_path, env)
+    try:
+        line = read_line(proc, timeout, log_path)
+        assert line.startswith(prefix), line
+    except BaseException:
+        kill_group(proc)
+        raise
+    return proc, line.removeprefix(prefix)
+
+
 def read_line(proc: subprocess.Popen, timeout: float, log_path: Path) -> str:
     """The first stdout line of proc, without ever blocking past timeout."""
     deadline = time.monotonic() + timeout
@@ -94,16 +116,8 @@ def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key:
         args += ["--model", str(model)]
     if api_key:
         args += ["--api-key", api_key]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "inferd", command, *args], stdout=subprocess.PIPE,
-                                stderr=log, bufsize=0, env={**ENV, **(env or {})}, start_new_session=True)
-    try:
-        line = read_line(proc, READY_TIMEOUT_S, log_path)
-    except BaseException:
-        kill_group(proc)
-        raise
-    assert line.startswith("READY http://"), line
-    return Server(proc, line.removeprefix("READY "), model_name, api_key, log_path, args)
+    proc, address = start_ready([sys.executable, "-m", "inferd", command, *args], log_path, "READY http://", env)
+    return Server(proc, "http://" + address, model_name, api_key, log_path, args)
 
 
 def process_gone(pid: int) -> bool:
@@ -127,3 +141,18 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def sse_data(body: bytes | str | list[str]) -> list:
+    """The data of each event of an SSE body (or of its lines), in order, through the load generator's parser
+    (inferd/bench/loadgen.py, tested on its own): JSON objects parsed, "[DONE]" kept as the string; keep-alive
+    comments skipped. The one SSE reader of the suite's checks."""
+    import json
+
+    from inferd.bench.loadgen import SSEParser
+
+    if isinstance(body, list):  # lines without their blank separators (aiter_lines, empty ones dropped)
+        body = "\n\n".join(body) + "\n\n"
+    parser = SSEParser()
+    events = parser.feed(body.encode() if isinstance(body, str) else body) + parser.close()
+    return [e if e == "[DONE]" else json.loads(e) for e in events]

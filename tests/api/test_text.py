@@ -4,9 +4,9 @@ stops at once (usage counts only the tokens up to the stop); special-token text 
 
 from __future__ import annotations
 
-import json
 
 import httpx
+from servers import sse_data
 
 PROMPT = "The capital of France is"
 
@@ -22,7 +22,7 @@ def _stream_text(server, **kw) -> tuple[list[str], dict, dict]:
     body = {"model": server.model, "prompt": PROMPT, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **kw}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    events = [e for e in sse_data(r.content) if e != "[DONE]"]
     pieces = [e["choices"][0]["text"] for e in events if e["choices"]]
     finish = next(e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"])
     return pieces, finish, events[-1]["usage"]

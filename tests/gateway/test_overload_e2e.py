@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from gw import bearer, make_keys
+from servers import sse_data
 
 MAX_QUEUE_REQUESTS, MAX_QUEUE_TOKENS = 8, 1500
 pytestmark = pytest.mark.timeout(240)
@@ -60,7 +61,7 @@ def check(result: dict) -> str:
         assert body["choices"][0]["finish_reason"] == "length"
         return "ok"
     assert lines[-1] == "data: [DONE]", lines[-3:]
-    events = [json.loads(line[6:]) for line in lines[:-1] if line.startswith("data: ")]
+    events = [e for e in sse_data(lines) if e != "[DONE]"]
     if "error" in events[-1]:  # headers went out while it waited: it never reached a worker
         assert events[-1]["error"]["code"] in ("queue_timeout", "overloaded"), events[-1]
         assert all("error" in e for e in events)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import ENV, kill_group, process_gone, read_line
+from servers import kill_group, process_gone, read_line, spawn
 
 READY_TIMEOUT_S = 120.0  # model load on a busy 2-core machine; normally ~5 s
 
@@ -59,9 +59,7 @@ def parse_ready(line: str) -> tuple[str, int]:
 
 
 def start_process(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**ENV, **(env or {})},
-                                start_new_session=True)
+    return spawn(command, log_path, env)
 
 
 
