@@ -19,7 +19,8 @@ _PARENT_PID_AT_START = os.getppid()
 from .config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS, DEFAULT_MODEL_VERSION,
                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_SHUTDOWN_GRACE_S,
                      DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE, DEFAULT_ROLLOUT_MAX_LATENCY_RATIO,
-                     DEFAULT_ROLLOUT_MIN_REQUESTS, DEFAULT_WARM_LEAD_S, WORKER_START_TIMEOUT_S)
+                     DEFAULT_ROLLOUT_MIN_REQUESTS, DEFAULT_ROLLOUT_MIN_SECONDS, DEFAULT_WARM_LEAD_S,
+                     WORKER_START_TIMEOUT_S)
 from .config import (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_SPECULATIVE_MAX_BATCH,
                      MAX_NUM_DRAFT, SPECULATIVE_METHODS)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
@@ -339,6 +340,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--rollout-min-requests", type=int, default=DEFAULT_ROLLOUT_MIN_REQUESTS,
                    help="canary requests finished before a rollout is promoted or rolled back automatically "
                    f"(default {DEFAULT_ROLLOUT_MIN_REQUESTS})")
+    r.add_argument("--rollout-min-seconds", type=float, default=DEFAULT_ROLLOUT_MIN_SECONDS,
+                   help="a canary is promoted automatically only after running this long (default "
+                   f"{DEFAULT_ROLLOUT_MIN_SECONDS:g} s; a rollback does not wait)")
     r.add_argument("--rollout-max-error-increase", type=float, default=DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE,
                    help="roll back when the canary's error rate is this much above the old version's "
                    f"(default {DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE:g})")
@@ -353,7 +357,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def rollout_targets(args: argparse.Namespace):
     from .cluster.rollout import RolloutTargets
 
-    return RolloutTargets(min_requests=args.rollout_min_requests,
+    return RolloutTargets(min_requests=args.rollout_min_requests, min_seconds=args.rollout_min_seconds,
                           max_error_rate_increase=args.rollout_max_error_increase,
                           max_latency_ratio=args.rollout_max_latency_ratio, auto_promote=not args.no_auto_promote)
 

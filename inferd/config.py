@@ -73,7 +73,12 @@ DEFAULT_LIMIT_CONCURRENCY = 4096  # `--limit-concurrency`: open connections + re
 MAX_REQUEST_HEADER_BYTES = 64 << 10  # a request's line and headers together (h11; httptools' own bound is 80 KiB)
 NEW_CONNECTION_IDLE_TIMEOUT_S = 10.0  # a connection that sends no complete request head within this is closed
 KEYS_POLL_S = 1.0  # how often `inferd serve --keys FILE` looks whether the file changed (SIGHUP: at once)
-REDIS_LEASE_S = 3600.0  # a concurrency slot in Redis expires after this (a gateway that died never releases it)
+# a concurrency slot in Redis expires after this unless renewed: the gateway renews the leases of its running requests
+# every REDIS_LEASE_RENEW_S, so a gateway that died gives its slots back within REDIS_LEASE_S
+REDIS_LEASE_S = 15.0
+REDIS_LEASE_RENEW_S = 5.0
+REDIS_SOCKET_TIMEOUT_S = 2.0  # a Redis that does not answer within this fails the call (503 limiter_unavailable)
+REDIS_RETRY_AFTER_S = 2  # Retry-After while the limits store is unavailable
 FAIRNESS_PROMPT_WEIGHT = 1.0  # VTC: service charged per prompt token
 FAIRNESS_OUTPUT_WEIGHT = 2.0  # VTC: service charged per generated token
 
@@ -101,6 +106,9 @@ DEFAULT_CANARY_PERCENT = 10.0  # a rollout's share of new requests for the new v
 DEFAULT_ROLLOUT_MIN_REQUESTS = 20  # canary requests finished before a rollout is promoted or rolled back
 DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE = 0.05  # rollback when the canary's error rate is this much above the old
 DEFAULT_ROLLOUT_MAX_LATENCY_RATIO = 1.5  # rollback when its median TTFT or TPOT is this many times the old one's
+# a canary is promoted only after running this long (a rollback does not wait: min_requests with errors suffice)
+DEFAULT_ROLLOUT_MIN_SECONDS = 30.0
+ROLLOUT_MAX_LATENCY_SAMPLES = 2048  # TTFT/TPOT samples kept per version during a rollout (the most recent)
 
 
 @dataclass

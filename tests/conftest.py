@@ -136,49 +136,16 @@ def smollm2_engine(smollm2_fp32):
 
 
 # ---- Redis (the shared rate limiter) -----------------------------------------------------------------------------
-REDIS_START_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """A real `redis-server` on a free loopback port, without persistence, in its own process group (killed whole at
-    the end): `redis://127.0.0.1:PORT/0`. The Makefile installs Debian's redis-server where it is missing."""
-    import shutil
-    import signal
-    import socket
-    import subprocess
-    import time
+    """A real `redis-server` on a free loopback port for the whole session: `redis://127.0.0.1:PORT/0`."""
+    from servers import free_port, kill_redis, start_redis
 
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not on PATH (`make setup` installs it: apt-get install redis-server)")
-    with socket.socket() as s:  # a free port; the short race until redis binds it is accepted in tests
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    folder = tmp_path_factory.mktemp("redis")
-    log = folder / "redis.log"
-    with open(log, "wb") as out:  # a file, not a pipe: a full pipe nobody reads would block the server
-        proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
-                                 "--dir", str(folder)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    port = free_port()
+    proc = start_redis(tmp_path_factory.mktemp("redis"), port)
     try:
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        while True:  # ready when it answers PING (a raw RESP exchange: no client needed here)
-            if proc.poll() is not None:
-                pytest.fail(f"redis-server exited with {proc.returncode}: {log.read_text(errors='replace')}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(64).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {port} did not answer PING within {REDIS_START_TIMEOUT_S} s")
-            time.sleep(0.02)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        kill_redis(proc)

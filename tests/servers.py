@@ -156,3 +156,57 @@ def sse_data(body: bytes | str | list[str]) -> list:
     parser = SSEParser()
     events = parser.feed(body.encode() if isinstance(body, str) else body) + parser.close()
     return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+# ---- Redis (the shared rate limiter) ---------------------------------------------------------------------------
+REDIS_START_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a free port; the short race until a server binds it is accepted in tests
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(folder: Path, port: int):
+    """A real `redis-server` on a loopback port, without persistence, in its own process group (kill_redis kills it
+    whole), ready (it answers PING). The Makefile installs Debian's redis-server where it is missing."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not on PATH (`make setup` installs it: apt-get install redis-server)")
+    log = folder / f"redis-{port}.log"
+    with open(log, "wb") as out:  # a file, not a pipe: a full pipe nobody reads would block the server
+        proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
+                                 "--dir", str(folder)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    while True:  # ready when it answers PING (a raw RESP exchange: no client needed here)
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}: {log.read_text(errors='replace')}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(64).startswith(b"+PONG"):
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            kill_redis(proc)
+            raise RuntimeError(f"redis-server on port {port} did not answer PING within {REDIS_START_TIMEOUT_S} s")
+        time.sleep(0.02)
+
+
+def kill_redis(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)

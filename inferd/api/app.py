@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..config import (DEFAULT_SSE_KEEPALIVE_S, DEFAULT_SSE_WRITE_TIMEOUT_S, MAX_QUEUE_TIMEOUT_BY_TIER_S,
                       MAX_QUEUE_TIMEOUT_S, TIERS)
 from ..gateway.admission import Gateway, RateLimited
+from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import Router
 from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
@@ -28,7 +29,8 @@ from .errors import INVALID_REQUEST, APIError, install_error_handlers, invalid
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList,
                       TokenizeRequest, TokenizeResponse)
-from .serving import SSE_DONE, OpenAIServing, Prepared, Run, complete, first_event, not_ready, sse, stream, worker_error
+from .serving import (SSE_DONE, OpenAIServing, Prepared, Run, complete, first_event, is_server_error, not_ready, sse,
+                      stream, worker_error)
 
 log = logging.getLogger("inferd.api")
 
@@ -133,6 +135,8 @@ def build_app(state: ServerState) -> FastAPI:
             await state.gateway.charge_request(request.scope[TENANT])
         except RateLimited as e:
             raise _rate_limited(e) from None
+        except LimiterUnavailable as e:
+            raise worker_error(e) from None
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give either prompt or messages", param="prompt")
         if body.prompt is not None:
@@ -313,7 +317,7 @@ def _end(state: ServerState, ticket, run: Run) -> None:
             ttft = c.first_token_at - run.prep.received_at
             if c.num_output_tokens > 1 and run.last_output_at is not None:
                 tpot = (run.last_output_at - c.first_token_at) / (c.num_output_tokens - 1)
-        rollout.observe(ticket.version, ttft, tpot, run.error is not None)
+        rollout.observe(ticket.version, ttft, tpot, is_server_error(run.error))
 
 
 def _cache_salt(tenant: Tenant) -> str:

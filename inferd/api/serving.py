@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST, TOKENIZE_INLINE_MAX_CHARS, TOKENIZE_THREADS
 from ..engine.request import SamplingParams
 from ..gateway.admission import Overloaded, QueueShareExceeded, QueueTimeout
+from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import NoWorkerAvailable, Router
 from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
 from ..telemetry.metrics import Metrics
@@ -52,6 +53,9 @@ def worker_error(exc: Exception) -> APIError:
         return not_ready(str(exc), exc.retry_after)
     if isinstance(exc, Overloaded):
         return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, LimiterUnavailable):
+        return APIError(503, f"{exc}; retry shortly", code="limiter_unavailable",
+                        headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, QueueShareExceeded):
         return APIError(429, str(exc), "rate_limit_exceeded", code="queue_share_exceeded",
                         headers={"Retry-After": str(exc.retry_after)})
@@ -66,6 +70,18 @@ def worker_error(exc: Exception) -> APIError:
     if isinstance(exc, RequestFailed):
         return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def is_server_error(exc: Exception | None) -> bool:
+    """A failure on the server's side that a version answers for (the rollout's error rate): the engine failed the
+    request, its worker died with it, or an unexpected error. Not the client's invalid request, not the gateway's
+    refusals (quota, overload, line deadline), not a drain moving it elsewhere."""
+    if exc is None:
+        return False
+    if isinstance(exc, (RequestRejected, Overloaded, QueueShareExceeded, QueueTimeout, NoWorkerAvailable,
+                        LimiterUnavailable, APIError)):
+        return False
+    return isinstance(exc, (RequestFailed, WorkerDead)) or not isinstance(exc, WorkerUnavailable)
 
 
 # ---- a prepared request ------------------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ import logging
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_CANARY_PERCENT, DEFAULT_MODEL_VERSION, DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE,
-                      DEFAULT_ROLLOUT_MAX_LATENCY_RATIO, DEFAULT_ROLLOUT_MIN_REQUESTS)
+                      DEFAULT_ROLLOUT_MAX_LATENCY_RATIO, DEFAULT_ROLLOUT_MIN_REQUESTS, DEFAULT_ROLLOUT_MIN_SECONDS,
+                      ROLLOUT_MAX_LATENCY_SAMPLES)
 
 log = logging.getLogger("inferd.cluster")
 
@@ -43,6 +45,7 @@ class RolloutError(Exception):
 @dataclass
 class RolloutTargets:
     min_requests: int = DEFAULT_ROLLOUT_MIN_REQUESTS
+    min_seconds: float = DEFAULT_ROLLOUT_MIN_SECONDS
     max_error_rate_increase: float = DEFAULT_ROLLOUT_MAX_ERROR_RATE_INCREASE
     max_latency_ratio: float = DEFAULT_ROLLOUT_MAX_LATENCY_RATIO
     auto_promote: bool = True
@@ -52,9 +55,10 @@ class RolloutTargets:
 class VersionFigures:
     """What finished on one version since the rollout started."""
     requests: int = 0
-    errors: int = 0
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
+    errors: int = 0  # server-side failures only (see observe)
+    # the most recent samples: memory stays bounded however long a canary runs
+    ttft: deque = field(default_factory=lambda: deque(maxlen=ROLLOUT_MAX_LATENCY_SAMPLES))
+    tpot: deque = field(default_factory=lambda: deque(maxlen=ROLLOUT_MAX_LATENCY_SAMPLES))
 
     @property
     def error_rate(self) -> float:
@@ -65,7 +69,7 @@ class VersionFigures:
                 "ttft_p50_s": _median(self.ttft), "tpot_p50_s": _median(self.tpot)}
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values) -> float | None:
     return round(statistics.median(values), 6) if values else None
 
 
@@ -150,7 +154,9 @@ class RolloutController:
 
     # ---- what finished --------------------------------------------------------------------------------------
     def observe(self, version: str | None, ttft: float | None, tpot: float | None, error: bool) -> None:
-        """A request finished on `version` (called by the API for every generation request that was dispatched)."""
+        """A request finished on `version` (called by the API for every generation request that was dispatched).
+        error: it failed on the server's side (the engine failed it, its worker died, a bug); a client's invalid
+        request or disconnect is not the version's error."""
         figures = self.figures.get(version) if self.status == "canary" else None
         if figures is None:
             return
@@ -201,6 +207,7 @@ class RolloutController:
         if new.requests < self.targets.min_requests:
             return None
         t = self.targets
+        ran_long_enough = self.started_at is not None and time.time() - self.started_at >= t.min_seconds
         if new.error_rate > old.error_rate + t.max_error_rate_increase:
             return False, (f"{self.new_version} error rate {new.error_rate:.1%} vs {old.error_rate:.1%} on "
                            f"{self.old_version} (allowed increase {t.max_error_rate_increase:.1%})")
@@ -210,6 +217,8 @@ class RolloutController:
                     return False, (f"{self.new_version} median {name} {statistics.median(a) * 1000:.1f} ms vs "
                                    f"{statistics.median(b) * 1000:.1f} ms on {self.old_version} (allowed ratio "
                                    f"{t.max_latency_ratio:g})")
+        if not ran_long_enough:  # good so far, but a promotion needs min_seconds of it
+            return None
         return True, (f"{new.requests} requests on {self.new_version}, error rate {new.error_rate:.1%} "
                       f"(old {old.error_rate:.1%}), latencies within {t.max_latency_ratio:g}x")
 

@@ -84,13 +84,20 @@ class LocalWorker:
         log.info("worker %s (pid %d) attached on %s:%d", self.worker_id, self.proc.pid, host, port)
 
     async def supervise(self) -> None:
-        """Runs until stop(): waits for the attached worker to die, then starts a new one (with back-off)."""
+        """Runs until stop(): waits for the attached worker to die, then starts a new one (with back-off). Any
+        failure on the way (a start that fails, an OSError spawning the process, a bug) is logged and retried after
+        the back-off: the supervisor itself never ends before stop()."""
         first, longest = WORKER_RESTART_BACKOFF_S
         backoff = first
         loop = asyncio.get_running_loop()
         while not self._stopping:
             started = loop.time()
-            reason = await self._wait_dead()
+            try:
+                reason = await self._wait_dead()
+            except Exception as e:  # noqa: BLE001 - watching it failed: treat it as dead, start another
+                log.exception("watching worker %s failed", self.worker_id)
+                reason = f"watching it failed: {e!r}"
+                await self._kill_quietly()
             if self._stopping:
                 return
             log.error("worker %s died: %s; restarting in %.1f s", self.worker_id, reason, backoff)
@@ -102,11 +109,19 @@ class LocalWorker:
                 try:
                     await self.start()
                     break
-                except WorkerStartError as e:
-                    log.error("worker %s failed to start: %s; retrying in %.1f s", self.worker_id, e, backoff)
+                except Exception as e:  # noqa: BLE001 - WorkerStartError, or anything else: keep trying
+                    log.error("worker %s failed to start: %s; retrying in %.1f s", self.worker_id, e, backoff,
+                              exc_info=not isinstance(e, WorkerStartError))
                     self.router.not_ready_reason = f"the worker failed to start: {e}"
+                    await self._kill_quietly()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, longest)
+
+    async def _kill_quietly(self) -> None:
+        """Kills the worker process of a failed start or watch, if it runs (so that no orphan is left)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await self._kill()
 
     @property
     def pid(self) -> int | None:

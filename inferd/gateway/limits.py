@@ -76,6 +76,15 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes}m{rest}s"
 
 
+class LimiterUnavailable(Exception):
+    """The limits store (Redis) failed or did not answer: the request is refused with 503 and Retry-After; nothing
+    about the store (its host) reaches the client."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Limiter(Protocol):
     window: float
 
@@ -87,6 +96,10 @@ class Limiter(Protocol):
                      used_tokens: int, refund_request: bool = False) -> None:
         """Ends a reservation: gives back reserved - used tokens (and the request itself when refund_request: the
         service refused or timed it out before any work), releases the concurrency slot."""
+        ...
+
+    async def renew(self, leases: list[tuple[str, str]]) -> None:
+        """Extends the (tenant, lease_id) leases of requests that still run (a store whose leases expire)."""
         ...
 
     async def close(self) -> None: ...
@@ -182,6 +195,9 @@ class InProcessLimiter:
 
     def in_flight(self, tenant: str) -> int:
         return len(self._leases.get(tenant, ()))
+
+    async def renew(self, leases: list[tuple[str, str]]) -> None:
+        pass  # in-process leases never expire: they die with the process
 
     def leases_held(self) -> dict[str, int]:
         """tenant -> concurrency slots held now (metrics)."""

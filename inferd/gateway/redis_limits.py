@@ -9,7 +9,12 @@ a multi-key script needs):
   2 x window after its last write (a bucket is full again after one window): idle tenants leave nothing behind.
 - `<prefix>:{<tenant>}:leases`: the concurrency slots, a sorted set of lease ids scored by their expiry (now +
   lease_s, in microseconds). Expired members are pruned before counting, so a gateway that died mid-request
-  gives its slots back after lease_s instead of never.
+  gives its slots back after lease_s instead of never; a live gateway renews the leases of its running requests
+  (`renew`) well before that.
+
+Redis down or failing: every call raises LimiterUnavailable (the API answers 503 with Retry-After) within the socket
+timeout. `settle` refunds only when it removes the lease, so a settlement retried after a lost reply never refunds
+twice.
 
 `reserve` and `settle` are each one Lua script, so a reservation (refill both buckets, check every limit, take all or
 nothing) is atomic across every process, and every refill uses Redis' own clock: no process's clock matters. The
@@ -26,8 +31,8 @@ import re
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from inferd.config import REDIS_LEASE_S
-from inferd.gateway.limits import Decision, TenantLimits
+from inferd.config import REDIS_LEASE_S, REDIS_RETRY_AFTER_S, REDIS_SOCKET_TIMEOUT_S
+from inferd.gateway.limits import Decision, LimiterUnavailable, TenantLimits
 
 # Shared by both scripts. Times are integer microseconds (TIME's seconds * 1e6 + microseconds ~ 1.8e15 < 2^53, so
 # exact in Lua's doubles); levels are doubles, written with %.17g so that a write and a read give the same number.
@@ -108,10 +113,25 @@ return out
 _SETTLE = _COMMON + """
 local rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
 local refund, refund_request = tonumber(ARGV[5]), tonumber(ARGV[6])
+-- idempotent: only the call that removes the lease refunds (a retry after a lost reply finds it gone)
+if redis.call('ZREM', KEYS[3], ARGV[7]) == 0 then return 0 end
 if tpm >= 0 and refund > 0 then store(KEYS[2], math.min(tpm, level_of(KEYS[2], tpm) + refund)) end
 if rpm >= 0 and refund_request == 1 then store(KEYS[1], math.min(rpm, level_of(KEYS[1], rpm) + 1)) end
-redis.call('ZREM', KEYS[3], ARGV[7])
 return 1
+"""
+
+# KEYS: leases. ARGV: lease_us, leases_ttl_ms, lease ids... Extends the leases that still exist (XX: a settled or
+# expired one is not brought back).
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local lease_us, leases_ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local renewed = 0
+for i = 3, #ARGV do
+  renewed = renewed + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + lease_us, ARGV[i])
+end
+if renewed > 0 then redis.call('PEXPIRE', KEYS[1], leases_ttl_ms) end
+return renewed
 """
 
 
@@ -159,10 +179,19 @@ class RedisLimiter:
         self._lease_us = math.ceil(self.lease_s * 1_000_000)
         self._leases_ttl_ms = math.ceil(self.lease_s * 1000) + 1000
         # decode_responses: the scripts answer strings; the connection pool is shared by every task of this process
-        self._redis = aioredis.Redis.from_url(url, decode_responses=True)
+        self._redis = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                              socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S)
         # EVALSHA, with a SCRIPT LOAD on NOSCRIPT (a restarted or failed-over Redis forgets its scripts)
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
+        self._renew = self._redis.register_script(_RENEW)
+
+    async def _call(self, script, keys: list[str], args: list):
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as e:  # no host in the message: it reaches clients
+            raise LimiterUnavailable(f"the rate-limit store is unavailable ({type(e).__name__})",
+                                     REDIS_RETRY_AFTER_S) from e
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self.prefix}:{{{tenant}}}"
@@ -182,8 +211,8 @@ class RedisLimiter:
         args = [self.window, self._bucket_ttl_ms, _limit(limits.rpm, "rpm", 1), _limit(limits.tpm, "tpm", 1),
                 _limit(limits.max_concurrency, "max_concurrency", 0), int(tokens), lease_id, self._lease_us,
                 self._leases_ttl_ms]
-        allowed, reason, retry, rem_req, reset_req, rem_tok, reset_tok = await self._reserve(
-            keys=self._keys(tenant), args=args)
+        allowed, reason, retry, rem_req, reset_req, rem_tok, reset_tok = await self._call(
+            self._reserve, self._keys(tenant), args)
         return Decision(allowed=allowed == "1", reason=reason or None, retry_after=float(retry),
                         limit_requests=limits.rpm, remaining_requests=_opt_int(rem_req),
                         reset_requests=_opt_float(reset_req), limit_tokens=limits.tpm,
@@ -193,7 +222,14 @@ class RedisLimiter:
                      used_tokens: int, refund_request: bool = False) -> None:
         args = [self.window, self._bucket_ttl_ms, _limit(limits.rpm, "rpm", 1), _limit(limits.tpm, "tpm", 1),
                 max(0, int(reserved_tokens) - int(used_tokens)), 1 if refund_request else 0, lease_id]
-        await self._settle(keys=self._keys(tenant), args=args)
+        await self._call(self._settle, self._keys(tenant), args)
+
+    async def renew(self, leases: list[tuple[str, str]]) -> None:
+        by_tenant: dict[str, list[str]] = {}
+        for tenant, lease_id in leases:
+            by_tenant.setdefault(tenant, []).append(lease_id)
+        for tenant, ids in by_tenant.items():
+            await self._call(self._renew, [self._keys(tenant)[2]], [self._lease_us, self._leases_ttl_ms, *ids])
 
     async def close(self) -> None:
         await self._redis.aclose()

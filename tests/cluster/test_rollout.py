@@ -19,7 +19,7 @@ from streams import request_body, stream_completion
 pytestmark = pytest.mark.timeout(300)
 
 ADMIN = "admin-key-for-tests"
-TARGETS = ("--admin-key", ADMIN, "--rollout-min-requests", "8", "--rollout-max-latency-ratio", "50",
+TARGETS = ("--admin-key", ADMIN, "--rollout-min-requests", "8", "--rollout-min-seconds", "1", "--rollout-max-latency-ratio", "50",
            "--shutdown-grace", "20")
 
 

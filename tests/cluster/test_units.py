@@ -3,6 +3,8 @@ ranking, worker addresses."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from inferd.cluster.pool import spread_devices
@@ -72,6 +74,7 @@ class _Worker:
     def __init__(self, name: str):
         self.name = name
         self.on_recover = []
+        self.hello = SimpleNamespace(worker_id=name)
 
 
 def test_router_ranks_by_cached_prefix_then_load():
@@ -88,6 +91,20 @@ def test_router_ranks_by_cached_prefix_then_load():
     assert (router.affinity_hits, router.affinity_queries) == (1, 2)
 
 
+def test_router_ties_go_to_the_smallest_worker_id_whatever_the_order():
+    router = Router()
+    workers = [_Worker(n) for n in ("worker-10", "worker-2", "worker-1")]
+    for w in workers:
+        router._prefixes[w] = PrefixIndex()
+    even = dict.fromkeys(workers, 0).get
+    for order in (workers, workers[::-1]):
+        assert router.rank(order, even, []).name == "worker-1"
+    system = hash_prompt_blocks(list(range(48)), 16)
+    router.remember(workers[0], system)
+    router.remember(workers[1], system)  # two hold the prefix, equally loaded: worker-2 (2 < 10, as numbers)
+    assert router.rank(workers, even, system).name == "worker-2"
+
+
 def test_worker_addresses():
     assert parse_address("10.0.0.5:9000") == ("10.0.0.5", 9000)
     assert parse_address("[::1]:9000") == ("::1", 9000)
@@ -102,3 +119,58 @@ def test_local_workers_spread_over_the_gpus():
     assert [spread_devices(args, i, device_count=2)[3] for i in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert spread_devices(["--device", "cpu"], 3, device_count=2) == ["--device", "cpu"]
     assert spread_devices(["--device", "cuda:1"], 0, device_count=2) == ["--device", "cuda:1"]  # explicit: kept
+
+
+# ---- the rollout's verdict ----------------------------------------------------------------------------------------
+def _controller(min_seconds: float):
+    import asyncio
+    from types import SimpleNamespace
+
+    from inferd.cluster.rollout import RolloutController, RolloutTargets, VersionFigures
+    from inferd.telemetry.metrics import Metrics
+
+    async def make():  # its lock wants a running loop on older Pythons
+        pool = SimpleNamespace(args_for=lambda version: [], versions=lambda: ["v1"])
+        c = RolloutController(SimpleNamespace(metrics=Metrics("m")), pool,
+                              RolloutTargets(min_requests=4, min_seconds=min_seconds), 0.0)
+        c.status, c.old_version, c.new_version = "canary", "v1", "v2"
+        c.figures = {"v1": VersionFigures(), "v2": VersionFigures()}
+        return c
+
+    return asyncio.run(make())
+
+
+def test_rollout_promotes_only_after_its_minimum_duration_but_rolls_back_at_once():
+    import time
+
+    c = _controller(min_seconds=60)
+    c.started_at = time.time()
+    for _ in range(4):
+        c.observe("v2", 0.1, 0.01, error=False)
+    assert c.verdict() is None  # good so far, but too early to promote
+    c.started_at = time.time() - 61
+    assert c.verdict()[0] is True
+    bad = _controller(min_seconds=60)
+    bad.started_at = time.time()
+    for _ in range(4):
+        bad.observe("v2", 0.1, 0.01, error=True)
+    ok, why = bad.verdict()
+    assert ok is False and "error rate" in why
+
+
+def test_rollout_counts_only_server_side_errors_and_keeps_bounded_samples():
+    from inferd.api.serving import is_server_error
+    from inferd.config import ROLLOUT_MAX_LATENCY_SAMPLES
+    from inferd.gateway.admission import Overloaded, QueueTimeout
+    from inferd.worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUnavailable
+
+    assert is_server_error(RequestFailed("step failed")) and is_server_error(WorkerDead("gone"))
+    assert is_server_error(RuntimeError("a bug"))
+    for client_side in (None, RequestRejected("bad prompt"), QueueTimeout(3.0), Overloaded("full", 1),
+                        WorkerUnavailable("draining")):
+        assert not is_server_error(client_side), client_side
+    c = _controller(min_seconds=0)
+    for i in range(ROLLOUT_MAX_LATENCY_SAMPLES + 500):
+        c.observe("v2", float(i), 0.01, error=False)
+    assert len(c.figures["v2"].ttft) == ROLLOUT_MAX_LATENCY_SAMPLES
+    assert min(c.figures["v2"].ttft) == 500.0  # the most recent ones
