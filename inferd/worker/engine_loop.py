@@ -122,20 +122,32 @@ class EngineLoop:
 
     def _step(self) -> list[RequestOutput]:
         self.step_started_at = time.monotonic()
+        self.engine.last_schedule = None  # set by the step once it has scheduled: who was in it
         try:
             if self.faults is not None:
                 self.faults.before_step(self.engine)
             return self.engine.step()
-        except Exception as e:  # a failed step fails the requests in it, not the worker
+        except Exception as e:  # a failed step fails the requests in it, not the worker nor the others
             log.exception("engine step failed")
-            for request_id, dispatch in self._dispatches.items():
-                self.engine.abort(request_id)
-                dispatch.peer.send(error_message(f"engine step failed: {e!r}", request_id, dispatch.epoch))
-            self._dispatches.clear()
-            self.engine.take_pending_outputs()  # their streams already got the error
-            return []
+            return self._fail_step(e)
         finally:
             self.step_started_at = None
+
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """The requests the failed step ran (its schedule's; before it scheduled: the running ones) are stopped,
+        their KV blocks freed, their clients told; waiting requests and other clients' outputs carry on."""
+        sched = getattr(self.engine, "last_schedule", None)
+        if sched is not None:
+            in_step = {s.request.request_id for s in sched.scheduled}
+        else:
+            in_step = {r.request_id for r in self.engine.scheduler.running}
+        for request_id in in_step:
+            self.engine.abort(request_id)
+            dispatch = self._dispatches.pop(request_id, None)
+            if dispatch is not None:
+                dispatch.peer.send(error_message(f"engine step failed: {error!r}", request_id, dispatch.epoch))
+        # their final (abort) outputs are dropped: their streams already got the error; the rest go out
+        return [o for o in self.engine.take_pending_outputs() if o.request_id not in in_step]
 
     def _move_everything(self) -> None:
         """The grace period is over: every request still running is stopped here and reported as retryable, so
