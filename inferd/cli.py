@@ -28,7 +28,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
-from .config import KV_DTYPES
+from .config import KV_DTYPES, WORKER_SECRET_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
@@ -241,20 +241,55 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                        registry_url=args.redis)
 
 
+def read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
+    """--NAME, else --NAME-file, else $ENV (unset or empty: None). ValueError on an empty flag or file (a key that
+    any empty bearer would match), or an unreadable file."""
+    flag = name.replace("_", "-")
+    value, path = getattr(args, name), getattr(args, name + "_file")
+    if value is not None:
+        if not value.strip():
+            raise ValueError(f"--{flag} is empty: give a key, or leave the flag out")
+        return value
+    if path is not None:
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --{flag}-file: {e}") from None
+        if not value:
+            raise ValueError(f"--{flag}-file {path} is empty")
+        return value
+    return os.environ.get(env, "").strip() or None
+
+
 def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
     from .api.server import ServeOptions, default_served_name, run_server
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("INFERD_API_KEY") or None
-    admin_key = args.admin_key if args.admin_key is not None else os.environ.get("INFERD_ADMIN_KEY") or None
+    try:
+        api_key = read_key(args, "api_key", "INFERD_API_KEY")
+        admin_key = read_key(args, "admin_key", "INFERD_ADMIN_KEY")
+        metrics_key = read_key(args, "metrics_key", "INFERD_METRICS_KEY")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.keys is not None and not os.path.isfile(args.keys):
+        print(f"error: the keys file {args.keys} does not exist (create it with `inferd keys create --keys "
+              f"{args.keys} ...`)", file=sys.stderr)
+        return 2
     if api_key is None and args.keys is None and not is_loopback(args.host):
         print(f"error: refusing to serve on {args.host} without API keys: anyone who can reach it could use it. "
               "Give --keys FILE (inferd keys create) or --api-key, or bind to a loopback address.", file=sys.stderr)
         return 2
     try:
         autoscale = autoscaler_config(args)
+        worker_secret = read_worker_secret(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not worker_secret and not backend.get("remote_workers") and not backend.get("registry_url"):
+        import secrets
+
+        worker_secret = secrets.token_hex(32)  # serve's own workers: a fresh secret, handed over in their env
     opts = ServeOptions(host=args.host, port=args.port, model_path=model_path,
                         served_model_name=args.served_model_name or default_served_name(model_path),
                         api_key=api_key, admin_key=admin_key,
@@ -266,8 +301,34 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
                         sse_write_timeout=args.sse_write_timeout, tenant_queue_share=args.tenant_queue_share,
                         limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,
+                        worker_secret=worker_secret, metrics_key=metrics_key,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args), **backend)
     return run_server(opts)
+
+
+def add_worker_secret_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker-secret", default=None, metavar="SECRET",
+                   help="the secret workers and gateways share (a challenge-response handshake on every "
+                   f"connection; never sent): default ${WORKER_SECRET_ENV}; `serve` makes one for its own workers")
+    p.add_argument("--worker-secret-file", default=None, metavar="FILE",
+                   help="read --worker-secret from this file (keeps it out of `ps`)")
+
+
+def read_worker_secret(args: argparse.Namespace) -> str:
+    """--worker-secret, else --worker-secret-file, else $INFERD_WORKER_SECRET, else "" (none). ValueError on an
+    unreadable or empty file."""
+    if args.worker_secret is not None:
+        return args.worker_secret
+    if args.worker_secret_file is not None:
+        try:
+            with open(args.worker_secret_file) as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --worker-secret-file: {e}") from None
+        if not secret:
+            raise ValueError(f"--worker-secret-file {args.worker_secret_file} is empty")
+        return secret
+    return os.environ.get(WORKER_SECRET_ENV, "")
 
 
 def is_loopback(host: str) -> bool:
@@ -300,14 +361,20 @@ def parse_rate(text: str) -> float:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    add_worker_secret_args(p)
     """The HTTP server's options, shared by serve and gateway."""
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
                    "default: $INFERD_API_KEY, else no key")
+    p.add_argument("--api-key-file", default=None, metavar="FILE", help="read --api-key from a file (out of `ps`)")
     p.add_argument("--admin-key", default=None, help="the admin API's key (rollouts, /admin/workers); "
                    "default: $INFERD_ADMIN_KEY, else the admin API is off")
+    p.add_argument("--admin-key-file", default=None, metavar="FILE", help="read --admin-key from a file")
+    p.add_argument("--metrics-key", default=None, help="require this key on /metrics (Authorization: Bearer KEY); "
+                   "default: $INFERD_METRICS_KEY, else /metrics is open")
+    p.add_argument("--metrics-key-file", default=None, metavar="FILE", help="read --metrics-key from a file")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_REQUEST_BODY_BYTES,
                    help="largest request body accepted (413 beyond; default 8M)")
     p.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
@@ -494,7 +561,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.keys_command == "create":
         try:
             key, tenant = create_key(args.keys, args.tenant, args.tier, args.rpm, args.tpm, args.max_concurrency,
-                                     args.weight)
+                                     args.weight, args.cache_group)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -550,12 +617,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: --listen: {e}", file=sys.stderr)
             return 2
+    try:
+        secret = read_worker_secret(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not secret and not is_loopback(host):
+        print(f"error: refusing to listen on {host} without a worker secret: anyone who can reach the port could "
+              f"add, abort or shut down work. Give --worker-secret-file FILE (or ${WORKER_SECRET_ENV}) here and to "
+              "the gateways, or listen on a loopback address.", file=sys.stderr)
+        return 2
     opts = WorkerRunOptions(host=host, port=port, heartbeat_interval=args.heartbeat_interval,
                             worker_id=args.worker_id,
                             parent_pid=_PARENT_PID_AT_START if args.die_with_parent else None,
                             version=args.model_version, shutdown_grace=args.shutdown_grace, threads=args.threads,
                             register=args.register, advertise=args.advertise, peak_bandwidth=args.peak_bandwidth,
-                            peak_flops=args.peak_flops)
+                            peak_flops=args.peak_flops, secret=secret)
     code = run_worker(engine_config(args), opts)
     # nothing is left to clean up: skip the interpreter's teardown (about a second with torch loaded), so that a
     # drained worker's exit is seen at once by whoever waits for it
@@ -619,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                     "used) per rate window (default: unlimited)")
     kc.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (default: unlimited)")
     kc.add_argument("--weight", type=float, default=None, help="fair-share weight (default 1)")
+    kc.add_argument("--cache-group", default=None, metavar="NAME",
+                    help="share cached prompt prefixes with the tenants of this group (default: with nobody: a "
+                    "tenant must not learn from cache hits or latency what another one sent)")
     kl = ksub.add_parser("list", help="list tenants and keys (never the keys themselves)")
     kl.add_argument("--keys", required=True, metavar="FILE")
     kr = ksub.add_parser("revoke", help="revoke a key by its id (or the whole key)")
@@ -660,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_chat)
 
     w = sub.add_parser("worker", help="serve one engine to a gateway over the worker protocol (TCP)")
+    add_worker_secret_args(w)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=0, help="0 = pick a free port (printed in the READY line)")
     w.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,

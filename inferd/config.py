@@ -27,6 +27,11 @@ TENSOR_PARALLEL_TIMEOUT_S = 300.0  # an all-reduce that waits this long for anot
 MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
 DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
 DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
+# a new connection to a worker must finish the challenge-response handshake within this, or it is closed
+WORKER_HANDSHAKE_TIMEOUT_S = 5.0
+WORKER_SECRET_ENV = "INFERD_WORKER_SECRET"  # the shared secret of workers and gateways (or --worker-secret[-file])
+CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY")  # never passed on to workers
+MAX_HELLO_STRING = 256  # the longest worker id, model name or version a worker may announce
 
 # the API server (inferd/api)
 DEFAULT_HOST = "127.0.0.1"
@@ -38,6 +43,8 @@ MAX_CHOICES_PER_REQUEST = 128  # prompts x n
 MAX_LOGPROBS = 20  # `logprobs` (completions) and `top_logprobs` (chat)
 MAX_STOP_STRINGS = 16  # entries of `stop`
 MAX_STOP_STRING_CHARS = 1024  # the text held back while it could still become a stop string
+MAX_IDENTIFIER_CHARS = 256  # `model`, `user`, a message's `name` and other client-chosen identifiers
+MAX_CACHE_SALT_CHARS = 300  # a request's prefix-cache salt ("tenant:" or "group:" + a name)
 HTTP_KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this (uvicorn's default, 5 s, races clients)
 WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up
 WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crashed worker is started again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import Router
 from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
-from .errors import INVALID_REQUEST, APIError, install_error_handlers, invalid
+from .errors import REQUEST_ID, INVALID_REQUEST, APIError, install_error_handlers, invalid, new_request_id
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList,
                       TokenizeRequest, TokenizeResponse)
@@ -56,6 +57,7 @@ class ServerState:
     sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S
     sse_write_timeout: float = DEFAULT_SSE_WRITE_TIMEOUT_S
     admin_key: str | None = None  # the admin API (/admin/...) is off without one
+    metrics_key: str | None = None  # /metrics needs it (Bearer) when set
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
     autoscaler: object | None = None  # the Autoscaler, where one runs
@@ -258,6 +260,9 @@ async def _generate(serving: OpenAIServing, prep: Prepared, request: Request) ->
         raise _rate_limited(e) from None
     except Exception as e:  # Overloaded, QueueShareExceeded, NoWorkerAvailable, the limiter unavailable
         raise worker_error(e) from None
+    salt = _cache_salt(tenant)
+    for params in prep.params:  # the worker's prefix cache shares blocks only under the same salt
+        params.cache_salt = salt
     run = serving.start(prep)
     run.on_tokens = ticket.on_output
     run.rebind = ticket.rebind
@@ -321,11 +326,8 @@ def _end(state: ServerState, ticket, run: Run) -> None:
 
 
 def _cache_salt(tenant: Tenant) -> str:
-    """The tenant's prefix-cache salt (tenants share cached prefixes only within a cache group)."""
-    from ..gateway import tenants
-
-    salt = getattr(tenants, "cache_salt", None)
-    return salt(tenant) if salt is not None else ""
+    """The tenant's prefix-cache salt: tenants share cached prefixes only within a cache group."""
+    return tenant.cache_salt
 
 
 def _used_tokens(run: Run) -> int:
@@ -533,13 +535,17 @@ class Gatekeeper:
             return await self.app(scope, receive, send)
         scope[RECEIVED_AT] = time.perf_counter()
         scope[ABORT_CONNECTION] = _connection_aborter(send)
+        request_id = new_request_id()
+        REQUEST_ID.set(request_id)  # this request's task (and those it starts) see it: error messages name it
         path = scope["path"]
         route = path if path in _KNOWN_ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
         status = [0]
+        id_header = (b"x-request-id", request_id.encode())
 
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), id_header]}
             await send(message)
 
         try:
@@ -556,9 +562,19 @@ class Gatekeeper:
     def _check_key(self, scope, path: str) -> APIError | None:
         """Resolves the request's key to its tenant (scope[TENANT]); a 401 when the key is missing or refused."""
         state = self.state
+        if path == "/metrics" and state.metrics_key is not None:
+            if not _bearer_matches(scope, state.metrics_key):
+                return _unauthorized("/metrics needs the metrics key: 'Authorization: Bearer METRICS_KEY'")
+            return None
         if path.startswith("/admin/"):
             return self._check_admin_key(scope)
         if not state.authenticates:
+            # no keys: loopback clients only, so a browser page whose name resolves to 127.0.0.1 (DNS rebinding)
+            # must not reach it: its requests carry that name as Host
+            host = _host_name(scope)
+            if host is not None and not _loopback_name(host):
+                return APIError(403, f"this server has no API keys and serves loopback clients only; the Host "
+                                f"{host!r} is not a loopback name", "permission_error", code="host_not_allowed")
             scope[TENANT] = _ANONYMOUS
             return None
         if path in _PUBLIC_PATHS:
@@ -585,9 +601,7 @@ class Gatekeeper:
         if admin_key is None:
             return APIError(403, "the admin API is disabled: start the server with --admin-key (or "
                             "$INFERD_ADMIN_KEY)", "permission_error", code="admin_disabled")
-        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+        if not _bearer_matches(scope, admin_key):
             return _unauthorized("the admin API needs the admin key: 'Authorization: Bearer ADMIN_KEY'")
         return None
 
@@ -614,6 +628,32 @@ class Gatekeeper:
 
 
 _ANONYMOUS = Tenant(ANONYMOUS)
+
+
+def _bearer_matches(scope, key: str) -> bool:
+    auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+    scheme, _, given = auth.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _host_name(scope) -> str | None:
+    """The Host header's name, without the port and the IPv6 brackets (None: no Host header, HTTP/1.0)."""
+    raw = next((v for k, v in scope["headers"] if k == b"host"), None)
+    if raw is None:
+        return None
+    host = raw.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _loopback_name(host: str) -> bool:
+    if host in ("localhost", "localhost.") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _connection_aborter(send):

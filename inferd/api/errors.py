@@ -5,6 +5,8 @@ method, bad JSON) to that shape, so that no error leaves in another form and not
 from __future__ import annotations
 
 import logging
+import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +41,25 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# the id of the request being served (the x-request-id response header): set by the middleware for each request and
+# inherited by the tasks it starts, so that an error message can name it and the log can be searched for it
+REQUEST_ID: ContextVar[str] = ContextVar("inferd_request_id", default="-")
+
+
+def new_request_id() -> str:
+    return "req-" + uuid.uuid4().hex[:20]
+
+
+def internal_error(what: str, exc: BaseException | None = None, code: str | None = None) -> APIError:
+    """A failure the client cannot fix and should not see the inside of: a generic message naming the request id;
+    the details go to the log under that id."""
+    request_id = REQUEST_ID.get()
+    if exc is not None:
+        log.error("%s (request %s): %r", what, request_id, exc, exc_info=exc)
+    return APIError(500, f"{what} (request id {request_id}; the details are in the server's log)", SERVER_ERROR,
+                    code=code)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -102,5 +123,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}", SERVER_ERROR).response()
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, REQUEST_ID.get())
+        return internal_error("internal error").response()

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from ..config import MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from ..config import (MAX_IDENTIFIER_CHARS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS,
+                      MAX_STOP_STRINGS)
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -24,6 +25,8 @@ INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+# names and identifiers the client chooses (model, user, a message's name, ...): bounded, they are logged and kept
+Identifier = Annotated[StrictStr, Field(max_length=MAX_IDENTIFIER_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
@@ -37,7 +40,7 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     """What /v1/completions and /v1/chat/completions share."""
-    model: StrictStr | None = Field(None, description="the served model's id (GET /v1/models); omitted: the default")
+    model: Identifier | None = Field(None, description="the served model's id (GET /v1/models); omitted: the default")
     max_tokens: StrictInt | None = Field(None, ge=1, description="omitted: the rest of the context window")
     temperature: Float | None = Field(None, ge=0, le=2, description="default 1; 0 = greedy")
     top_p: Float | None = Field(None, gt=0, le=1)
@@ -48,7 +51,7 @@ class _SamplingFields(_Strict):
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
-    user: StrictStr | None = None
+    user: Identifier | None = None
     logit_bias: dict[str, Float] | None = Field(None, description="not supported yet: only null or {}")
     # vLLM extensions
     top_k: StrictInt | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 = off")
@@ -93,7 +96,14 @@ class TextContentPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
-    name: StrictStr | None = None
+    name: Identifier | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> "ChatMessage":
+        # OpenAI: only an assistant message (one that carries tool calls) may have null content
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -131,10 +141,10 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: StrictStr | None = Field(None, description="not supported: only null")
     web_search_options: dict[str, Any] | None = Field(None, description="not supported: only null")
     moderation: dict[str, Any] | None = Field(None, description="not supported: only null")
-    prompt_cache_key: StrictStr | None = Field(None, description="accepted: inferd caches prefixes by content")
+    prompt_cache_key: Identifier | None = Field(None, description="accepted: inferd caches prefixes by content")
     prompt_cache_retention: StrictStr | None = Field(None, description="not supported: only null")
     prompt_cache_options: dict[str, Any] | None = Field(None, description="not supported: only null")
-    safety_identifier: StrictStr | None = None
+    safety_identifier: Identifier | None = None
 
     def unsupported_parameters(self) -> list[str]:
         names = self._unsupported_common()

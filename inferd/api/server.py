@@ -51,6 +51,8 @@ class ServeOptions:
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     http_head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S
+    worker_secret: str = ""  # shared with the workers (their handshake)
+    metrics_key: str | None = None  # /metrics needs it when set
     workers: int = 1  # local worker processes (serve)
     remote_workers: list[str] = field(default_factory=list)  # HOST:PORT of remote workers (gateway)
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
@@ -121,12 +123,17 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     gateway.replay_timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
                         keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key,
-                        sse_write_timeout=opts.sse_write_timeout)
+                        sse_write_timeout=opts.sse_write_timeout, metrics_key=opts.metrics_key)
     # without an autoscaler, the workers there are are the workers wanted (an HPA reading 0 would scale to nothing)
     metrics.desired_workers.set_function(lambda: state.autoscaler.desired if state.autoscaler is not None
                                          else sum(1 for w in router.workers if w.dead is None))
     app = build_app(state)
-    watching = asyncio.create_task(_watch_keys(state, opts.keys_path)) if opts.keys_path else None
+    if opts.keys_path:
+        watching = asyncio.create_task(_watch_keys(state, opts.keys_path))
+    else:  # SIGHUP's default action would kill the server: there is nothing to reload, say so
+        watching = None
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, lambda: log.warning("SIGHUP: no --keys file to reload; ignored"))
 
     def hook_metrics(client) -> None:
         client.on_step = lambda seconds, _n, m: metrics.observe_step(
@@ -213,11 +220,11 @@ def _backend(opts: ServeOptions, router, on_attach):
         from ..cluster.remote import RemoteWorkers
 
         return RemoteBackend(RemoteWorkers(router, opts.remote_workers, opts.registry_url, opts.heartbeat_timeout,
-                                           on_attach))
+                                           on_attach, secret=opts.worker_secret.encode()))
     from ..cluster.pool import WorkerPool
 
-    return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach),
-                        opts.workers)
+    return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach,
+                                   secret=opts.worker_secret), opts.workers)
 
 
 class LocalBackend:
@@ -298,9 +305,12 @@ async def _watch_keys(state, path: str) -> None:
                 continue
             hup.clear()
             seen = signature
+            if signature is None:  # removed (or being replaced): never an empty key set by accident
+                log.error("keys file %s is missing: not reloaded, the previous keys stay in force", path)
+                continue
             try:
                 state.keys = await asyncio.to_thread(KeyStore.load, path)
-            except ValueError as e:
+            except (ValueError, OSError) as e:
                 log.error("keys file not reloaded, the previous keys stay in force: %s", e)
                 continue
             log.info("keys reloaded from %s: %d tenants, %d keys", path, len(state.keys.tenants),

@@ -28,7 +28,7 @@ from ..models.tokenizer import IncrementalDetokenizer, TextWithStops, Tokenizer
 from ..telemetry.metrics import Metrics
 from ..worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUnavailable
 from ..worker.protocol import WorkerOutput
-from .errors import INVALID_REQUEST, APIError, invalid
+from .errors import INVALID_REQUEST, APIError, internal_error, invalid
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
@@ -68,8 +68,8 @@ def worker_error(exc: Exception) -> APIError:
         return APIError(503, f"the request was stopped by a shutdown: {exc}", code="shutdown",
                         headers={"Retry-After": "1"})
     if isinstance(exc, RequestFailed):
-        return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return internal_error("the engine failed this request", exc, code="engine_error")
+    return internal_error("internal error", exc)
 
 
 def is_server_error(exc: Exception | None) -> bool:
@@ -229,6 +229,10 @@ class OpenAIServing:
         hello = self.router.hello
         if hello is None:
             raise not_ready(f"no worker is available: {self.router.not_ready_reason}")
+        bad = next((t for t in req.stop_token_ids or () if t >= hello.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"stop token id {bad} is outside the vocabulary [0, {hello.vocab_size})",
+                          param="stop_token_ids")
         context = hello.max_model_len
         what = "messages" if chat else "prompt"
         n = req.n or 1
@@ -385,7 +389,8 @@ class Run:
                 if choice.finished:  # ended here (a stop string) before the worker noticed
                     break
                 delta, entries = self._apply(choice, out)
-                self._events.put_nowait((choice, delta, entries, out))
+                # whether THIS event ended the choice: the writer may read it long after the driver moved on
+                self._events.put_nowait((choice, delta, entries, out, choice.finished))
                 if choice.finished:  # also when it ended here: leaving the loop aborts it in the worker
                     break
         finally:
@@ -398,9 +403,9 @@ class Run:
         if self.on_done is not None:
             self.on_done()
 
-    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput]]:
-        """Yields (choice, text delta, logprob entries, the output) per step and choice, until every choice is
-        finished. Raises the first worker error."""
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput, bool]]:
+        """Yields (choice, text delta, logprob entries, the output, whether it ended the choice) per step and
+        choice, until every choice is finished. Raises the first worker error."""
         while True:
             item = await self._events.get()
             if item is _END:
@@ -533,14 +538,14 @@ async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
                                                 "logprobs": None, "finish_reason": None}]})
         event = first
         while event is not None:
-            choice, delta, entries, out = event
+            choice, delta, entries, out, finished = event
             if delta or entries:
                 logprobs = _logprobs(run, choice, entries, offsets[choice.index]) if prep.logprobs else None
                 if logprobs and not prep.chat:
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                 yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, delta, logprobs, None)]})
                 write_overhead.observe(time.perf_counter() - out.received_at)
-            if choice.finished:
+            if finished:
                 yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, "", None, choice)]})
             event = await anext(events, None)
         if prep.include_usage:

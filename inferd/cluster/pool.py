@@ -37,10 +37,12 @@ def spread_devices(args: list[str], index: int, device_count: int | None = None)
 
 class WorkerPool:
     def __init__(self, router: Router, args_for: Callable[[str], list[str]],
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None):
-        """args_for(version): the `inferd worker` options for a worker of that model version."""
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: str = ""):
+        """args_for(version): the `inferd worker` options for a worker of that model version. secret: shared
+        with the workers (handed over in their environment)."""
         self.router = router
         self.args_for = args_for
+        self.secret = secret
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
         self.workers: list[LocalWorker] = []
@@ -61,7 +63,8 @@ class WorkerPool:
         for _ in range(count):
             index = next(self._ids)
             new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router, f"worker-{index}",
-                                   self.heartbeat_timeout, on_attach=self.on_attach, version=version))
+                                   self.heartbeat_timeout, on_attach=self.on_attach, version=version,
+                                   secret=self.secret))
         self.workers.extend(new)
         results = await asyncio.gather(*(w.start() for w in new), return_exceptions=True)
         error = None

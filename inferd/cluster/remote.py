@@ -14,6 +14,8 @@ import contextlib
 import logging
 
 from ..config import DEFAULT_HEARTBEAT_TIMEOUT, WORKER_DISCOVERY_POLL_S, WORKER_RECONNECT_BACKOFF_S
+
+STABLE_CONNECTION_S = 10.0  # a connection that lived this long resets the reconnect back-off
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 
@@ -30,8 +32,9 @@ def parse_address(text: str, allow_any_port: bool = False) -> tuple[str, int]:
 
 class RemoteWorker:
     def __init__(self, address: str, router: Router, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 on_attach=None):
+                 on_attach=None, secret: bytes = b""):
         self.address = address
+        self.secret = secret
         self.host, self.port = parse_address(address)
         self.router = router
         self.heartbeat_timeout = heartbeat_timeout
@@ -44,18 +47,29 @@ class RemoteWorker:
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
+        """Connects, attaches, waits for the end, again; every retry backs off (a worker that refuses us, or whose
+        connections keep dropping, is never hammered), reset once a connection has lived a while."""
         first, longest = WORKER_RECONNECT_BACKOFF_S
         backoff = first
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 client = await WorkerClient.connect(self.host, self.port, self.heartbeat_timeout,
-                                                    close_on_silence=False)
+                                                    close_on_silence=False, secret=self.secret)
+                problem = self.router.incompatibility(client.hello)
             except WorkerDead as e:
-                log.debug("worker %s not reachable: %s", self.address, e)
+                log.log(logging.WARNING if "secret" in str(e) else logging.DEBUG, "worker %s not reachable: %s",
+                        self.address, e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, longest)
                 continue
-            backoff = first
+            if problem is not None:
+                log.error("not attaching the worker at %s: %s", self.address, problem)
+                await client.close()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, longest)
+                continue
+            attached_at = loop.time()
             self.client = client
             if self.on_attach is not None:
                 self.on_attach(client)
@@ -65,7 +79,11 @@ class RemoteWorker:
             reason = await client.wait_dead()
             self.connected.clear()
             self.router.detach(client, f"the worker at {self.address} was lost ({reason})")
-            log.error("worker %s lost: %s; reconnecting", self.address, reason)
+            if loop.time() - attached_at > STABLE_CONNECTION_S:
+                backoff = first
+            log.error("worker %s lost: %s; reconnecting in %.1f s", self.address, reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, longest)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -81,8 +99,9 @@ class RemoteWorkers:
     """The gateway's remote workers: a fixed list, and those registered in Redis (polled)."""
 
     def __init__(self, router: Router, addresses: list[str], registry_url: str | None = None,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None):
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: bytes = b""):
         self.router = router
+        self.secret = secret
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
         self.registry_url = registry_url
@@ -112,7 +131,7 @@ class RemoteWorkers:
             self.router.on_change.remove(attached.set)
 
     def _add(self, address: str) -> None:
-        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach)
+        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret)
         self.workers[address] = worker
         worker.start()
 

@@ -19,8 +19,8 @@ import os
 import signal
 import sys
 
-from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MODEL_VERSION, WORKER_RESTART_BACKOFF_S,
-                      WORKER_START_TIMEOUT_S)
+from ..config import (CLIENT_SECRET_ENVS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MODEL_VERSION, WORKER_RESTART_BACKOFF_S,
+                      WORKER_SECRET_ENV, WORKER_START_TIMEOUT_S)
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 from ..worker.faults import ENV as FAULT_ENV
@@ -38,10 +38,12 @@ class WorkerStartError(RuntimeError):
 class LocalWorker:
     def __init__(self, worker_args: list[str], router: Router, worker_id: str = "worker-0",
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 start_timeout: float = WORKER_START_TIMEOUT_S, on_attach=None, version: str = DEFAULT_MODEL_VERSION):
+                 start_timeout: float = WORKER_START_TIMEOUT_S, on_attach=None, version: str = DEFAULT_MODEL_VERSION,
+                 secret: str = ""):
         """worker_args: the `inferd worker` options (model and engine settings) besides host, port and identity.
         on_attach(client): called with every newly connected client (to hook metrics)."""
         self.worker_args = worker_args
+        self.secret = secret  # the handshake's (given to the worker in its environment, never in argv)
         self.router = router
         self.worker_id = worker_id
         self.version = version
@@ -60,6 +62,9 @@ class LocalWorker:
         env = dict(os.environ)
         if self.num_starts > 1:  # an injected fault (tests) acts in a worker's first life only
             env.pop(FAULT_ENV, None)
+        for name in CLIENT_SECRET_ENVS:  # the API's keys are none of a worker's business
+            env.pop(name, None)
+        env[WORKER_SECRET_ENV] = self.secret
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "inferd", "worker", "--host", "127.0.0.1", "--port", "0", "--die-with-parent",
             "--worker-id", self.worker_id, "--model-version", self.version, *self.worker_args,
@@ -74,7 +79,7 @@ class LocalWorker:
             raise
         self._drain = asyncio.create_task(self._drain_stdout(self.proc))
         try:
-            self.client = await WorkerClient.connect(host, port, self.heartbeat_timeout)
+            self.client = await WorkerClient.connect(host, port, self.heartbeat_timeout, secret=self.secret.encode())
         except WorkerDead as e:
             await self._kill()
             raise WorkerStartError(str(e)) from None

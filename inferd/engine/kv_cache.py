@@ -17,21 +17,25 @@ from .request import Request
 _ROOT_HASH = b"inferd-kv-v1"
 
 
-def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """The stable content hash of one full block, chained to its parent block's hash."""
+def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str = "") -> bytes:
+    """The stable content hash of one full block, chained to its parent block's hash. The first block's hash starts
+    from the salt (a tenant's, or its cache group's): the same prefix under two salts shares nothing, so a tenant
+    cannot learn through cache hits, routing or latency that another one sent it."""
     h = hashlib.sha256(parent if parent is not None else _ROOT_HASH)
+    if parent is None and salt:
+        h.update(b"\0salt\0" + salt.encode())
     h.update(len(token_ids).to_bytes(4, "little"))
     for t in token_ids:
         h.update(int(t).to_bytes(4, "little", signed=False))
     return h.digest()
 
 
-def hash_prompt_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
+def hash_prompt_blocks(token_ids: list[int], block_size: int, salt: str = "") -> list[bytes]:
     """Hash chain of every full block of token_ids."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], salt)
         hashes.append(parent)
     return hashes
 
@@ -83,7 +87,8 @@ class KVCacheManager:
         tokens = request.token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs],
+                                            request.params.cache_salt))
 
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding the longest prefix of the request's tokens; at least one token is left to

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from ..config import MAX_CACHE_SALT_CHARS
+
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -30,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in prompt or output divided (>0) / multiplied (<0)
     min_tokens: int = 0  # EOS and stop token ids are blocked until this many tokens were generated
+    cache_salt: str = ""  # the prefix cache's salt (the tenant's): prefixes are shared only under the same salt
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -43,6 +46,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -323,8 +323,7 @@ class Gateway:
         ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
         self._open_ticket(ticket)
         if prompt is not None:
-            ticket.prompt_hashes = self.router.prompt_hashes(prompt, salt=cache_salt) if cache_salt else \
-                self.router.prompt_hashes(prompt)
+            ticket.prompt_hashes = self.router.prompt_hashes(prompt, cache_salt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
         ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
                                payload=ticket)

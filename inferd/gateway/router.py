@@ -78,6 +78,19 @@ class Router:
         client.on_recover.append(self._changed)
         self._changed()
 
+    def incompatibility(self, hello: WorkerHello) -> str | None:
+        """Why a worker may not join the ones attached (None: it may): it must speak the same vocabulary and stop on
+        the same tokens as the model this gateway tokenizes for (the first worker's). Its hello is already
+        validated field by field (WorkerHello.from_wire)."""
+        first = self.hello
+        if first is None:
+            return None
+        if hello.vocab_size != first.vocab_size:
+            return f"it serves a vocabulary of {hello.vocab_size} tokens, the others {first.vocab_size}"
+        if sorted(hello.eos_token_ids) != sorted(first.eos_token_ids):
+            return f"its end-of-sequence tokens {hello.eos_token_ids} differ from the others' {first.eos_token_ids}"
+        return None
+
     def detach(self, client: WorkerClient, reason: str) -> None:
         if client in self.workers:
             self.workers.remove(client)
@@ -133,9 +146,10 @@ class Router:
                            draining=all(s.draining for s in stats))
 
     # ---- choosing a worker ----------------------------------------------------------------------------------
-    def prompt_hashes(self, prompt: list[int]) -> list[bytes]:
+    def prompt_hashes(self, prompt: list[int], salt: str = "") -> list[bytes]:
+        """The prompt's block hashes as a worker computes them (salt: the request's prefix-cache salt)."""
         hello = self.hello
-        return hash_prompt_blocks(prompt, hello.kv_block_size) if hello is not None else []
+        return hash_prompt_blocks(prompt, hello.kv_block_size, salt) if hello is not None else []
 
     def rank(self, candidates: list[WorkerClient], load: Callable[[WorkerClient], float],
              hashes: list[bytes]) -> WorkerClient:

@@ -37,6 +37,13 @@ class Tenant:
     tpm: int | None = None
     max_concurrency: int | None = None
     weight: float = 1.0
+    # tenants of the same cache group share cached prompt prefixes; without one a tenant shares with nobody
+    cache_group: str | None = None
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix cache's salt for this tenant's requests (inferd/engine/kv_cache.py hash_block_tokens)."""
+        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
 
     @property
     def band(self) -> int:
@@ -57,6 +64,10 @@ class Tenant:
             raise ValueError(f"weight must be > 0, got {self.weight!r}")
         if not self.name or not isinstance(self.name, str):
             raise ValueError("a tenant needs a name")
+        if self.cache_group is not None and (not isinstance(self.cache_group, str) or not self.cache_group
+                                             or len(self.cache_group) > 256):
+            raise ValueError(f"cache_group must be a non-empty name of at most 256 characters, got "
+                             f"{self.cache_group!r}")
 
 
 @dataclass(frozen=True)
@@ -157,14 +168,15 @@ def locked(path: str):
 
 
 def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None = None, tpm: int | None = None,
-               max_concurrency: int | None = None, weight: float | None = None) -> tuple[str, Tenant]:
+               max_concurrency: int | None = None, weight: float | None = None,
+               cache_group: str | None = None) -> tuple[str, Tenant]:
     """Adds a key for tenant (created, or updated with the settings given) and returns (the key, the tenant)."""
     with locked(path):
         store = KeyStore.load(path)
         old = store.tenants.get(tenant)
         fields = asdict(old) if old is not None else {"name": tenant}
         for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
-                            ("weight", weight)):
+                            ("weight", weight), ("cache_group", cache_group)):
             if value is not None:
                 fields[name] = value
         new_tenant = Tenant(**fields)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.request import SamplingParams
-from .protocol import (DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS, PROTOCOL_VERSION, REJECTED,
-                       WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello, WorkerOutput, WorkerStats,
-                       abort_message, add_message, decode_message, encode_frame, ping_message, shutdown_message)
+from .protocol import (CHALLENGE, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS, PROTOCOL_VERSION,
+                       REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello, WorkerOutput,
+                       WorkerStats, abort_message, add_message, auth_message, client_proof, decode_message,
+                       encode_frame, new_nonce, ping_message, proof_matches, shutdown_message, valid_nonce,
+                       worker_proof)
 
 
 UNRESPONSIVE_CLOSE_S = 60.0  # a given-up worker still silent after this long is closed for good
@@ -55,6 +57,9 @@ class _FrameProtocol(asyncio.Protocol):
         self.client = client
         self.decoder = FrameDecoder()
 
+    def connection_made(self, transport) -> None:
+        self.client._transport = transport  # before any frame: the challenge is answered from data_received
+
     def data_received(self, data: bytes) -> None:
         self.client._last_seen = self.client._loop.time()  # any byte is a sign of life
         if self.client.unresponsive:
@@ -68,16 +73,22 @@ class _FrameProtocol(asyncio.Protocol):
             self.client._on_frame(body)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.client._hello.done():
+            self.client._declare_dead("the worker closed the connection during the handshake (is --worker-secret "
+                                      "the same on both sides?)")
         self.client._declare_dead(f"the connection to the worker was lost{f': {exc}' if exc else ''}")
 
 
 class WorkerClient:
-    def __init__(self, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, close_on_silence: bool = True):
+    def __init__(self, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, close_on_silence: bool = True,
+                 secret: bytes = b""):
         """close_on_silence=False (remote workers, which nobody here can kill): a worker silent past the timeout is
         given up (its streams fail with WorkerDead and are aborted there) but the connection stays open; if it
         speaks again it is usable again, and whatever it still sends for the given-up streams is dropped."""
         self.heartbeat_timeout = heartbeat_timeout
         self.close_on_silence = close_on_silence
+        self._secret = secret
+        self._nonces: tuple[str, str] | None = None  # (worker's, ours) once the challenge was answered
         self.unresponsive = False  # silent past the timeout, connection kept (close_on_silence=False)
         self.num_given_up = 0  # times this worker was given up for silence
         self.address: tuple[str, int] | None = None
@@ -106,9 +117,10 @@ class WorkerClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                      close_on_silence: bool = True) -> "WorkerClient":
-        """Connects and reads the worker's hello; raises WorkerDead when either takes over heartbeat_timeout."""
-        client = cls(heartbeat_timeout, close_on_silence)
+                      close_on_silence: bool = True, secret: bytes = b"") -> "WorkerClient":
+        """Connects, runs the handshake (secret: shared with the worker) and reads the worker's hello; raises
+        WorkerDead when any of it takes over heartbeat_timeout, or the worker fails authentication."""
+        client = cls(heartbeat_timeout, close_on_silence, secret)
         client.address = (host, port)
         try:
             client._transport, _ = await asyncio.wait_for(
@@ -238,13 +250,32 @@ class WorkerClient:
             return
         try:
             message = decode_message(body, WORKER_MESSAGE_TYPES)
-            handler = {HELLO: self._on_hello, OUTPUTS: self._on_outputs, REJECTED: self._on_rejected,
-                       HEARTBEAT: self._on_heartbeat, ERROR: self._on_error}[message["type"]]
+            kind = message["type"]
+            if (self.hello is None) != (kind in (CHALLENGE, HELLO)):
+                raise ProtocolError(f"a {kind!r} message {'before' if self.hello is None else 'after'} the handshake")
+            handler = {CHALLENGE: self._on_challenge, HELLO: self._on_hello, OUTPUTS: self._on_outputs,
+                       REJECTED: self._on_rejected, HEARTBEAT: self._on_heartbeat, ERROR: self._on_error}[kind]
             handler(message)
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._declare_dead(f"the worker sent a malformed message: {e!r}")
 
+    def _on_challenge(self, message: dict[str, Any]) -> None:
+        if self._nonces is not None:
+            raise ProtocolError("a second challenge")
+        if message.get("protocol_version") != PROTOCOL_VERSION:
+            raise ProtocolError(f"worker speaks protocol {message.get('protocol_version')!r}, this client "
+                                f"{PROTOCOL_VERSION}")
+        worker_nonce = message.get("nonce")
+        if not valid_nonce(worker_nonce):
+            raise ProtocolError("a challenge without a valid nonce")
+        ours = new_nonce()
+        self._nonces = (worker_nonce, ours)
+        self._transport.write(encode_frame(auth_message(ours, client_proof(self._secret, worker_nonce, ours))))
+
     def _on_hello(self, message: dict[str, Any]) -> None:
+        if self._nonces is None or not proof_matches(worker_proof(self._secret, *self._nonces),
+                                                     message.get("proof")):
+            raise ProtocolError("the worker failed authentication (it does not know the shared secret)")
         hello = WorkerHello.from_wire(message)
         if hello.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(f"worker speaks protocol {hello.protocol_version}, this client {PROTOCOL_VERSION}")

@@ -2,7 +2,9 @@
 
 Adds, aborts, dropped connections and the stop order arrive as commands on a queue that is drained between steps,
 so an abort takes effect within one step. Each step's outputs leave as ONE `outputs` message per connection, every
-entry stamped with the epoch its request was dispatched with. Between steps the loop publishes a stats snapshot that
+entry stamped with the epoch its request was dispatched with. Several connections (gateways) share the engine: a
+request's id in the engine is its connection's plus the client's own, so two gateways never collide, and a
+connection can abort or drop only its own requests. Between steps the loop publishes a stats snapshot that
 the heartbeat thread sends without touching the engine.
 """
 
@@ -35,6 +37,12 @@ class Peer(Protocol):
 class _Dispatch:
     peer: Peer
     epoch: int
+    client_id: str  # the request id as its client knows it
+
+
+def engine_id(peer: Peer, request_id: str) -> str:
+    """The request's id inside the engine: unique across connections (id(peer) while the connection lives)."""
+    return f"{id(peer):x}/{request_id}"
 
 
 class EngineLoop:
@@ -145,7 +153,8 @@ class EngineLoop:
             self.engine.abort(request_id)
             dispatch = self._dispatches.pop(request_id, None)
             if dispatch is not None:
-                dispatch.peer.send(error_message(f"engine step failed: {error!r}", request_id, dispatch.epoch))
+                dispatch.peer.send(error_message(f"engine step failed: {error!r}", dispatch.client_id,
+                                                 dispatch.epoch))
         # their final (abort) outputs are dropped: their streams already got the error; the rest go out
         return [o for o in self.engine.take_pending_outputs() if o.request_id not in in_step]
 
@@ -157,7 +166,7 @@ class EngineLoop:
             self.engine.abort(request_id)
             if dispatch is not None:
                 dispatch.peer.send(error_message("the worker shut down before the request finished (grace period "
-                                                 "over)", request_id, dispatch.epoch, retry=True))
+                                                 "over)", dispatch.client_id, dispatch.epoch, retry=True))
 
     # ---- commands -------------------------------------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -169,9 +178,10 @@ class EngineLoop:
             if kind == "add":
                 self._add(peer, arg)
             elif kind == "abort":
-                dispatch = self._dispatches.get(arg)
+                key = engine_id(peer, arg)
+                dispatch = self._dispatches.get(key)
                 if dispatch is not None and dispatch.peer is peer:
-                    self.engine.abort(arg)  # its final output (finish_reason "abort") goes out with the next batch
+                    self.engine.abort(key)  # its final output (finish_reason "abort") goes out with the next batch
             elif kind == "drop":
                 self._drop(peer)
             elif kind == "stop" and self._stop_deadline is None:
@@ -187,13 +197,13 @@ class EngineLoop:
             peer.send(rejected_message(request.request_id, request.epoch, f"the worker's queue is full "
                                        f"({ENGINE_MAX_WAITING} requests waiting)", retry=True))
             return
+        key = engine_id(peer, request.request_id)
         try:
-            self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
-                                    request.num_prompt_tokens)
+            self.engine.add_request(request.prompt_token_ids, request.params, key, request.num_prompt_tokens)
         except InvalidRequestError as e:
-            peer.send(rejected_message(request.request_id, request.epoch, str(e)))
+            peer.send(rejected_message(request.request_id, request.epoch, str(e).replace(key, request.request_id)))
             return
-        self._dispatches[request.request_id] = _Dispatch(peer, request.epoch)
+        self._dispatches[key] = _Dispatch(peer, request.epoch, request.request_id)
 
     def _drop(self, peer: Peer) -> None:
         mine = [rid for rid, d in self._dispatches.items() if d.peer is peer]
@@ -216,7 +226,9 @@ class EngineLoop:
                 continue  # its connection was dropped
             if out.finished:
                 del self._dispatches[out.request_id]
-            batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(output_entry(out, dispatch.epoch))
+            entry = output_entry(out, dispatch.epoch)
+            entry["request_id"] = dispatch.client_id
+            batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(entry)
         stats = self.engine.stats
         cost = {}
         if step_s is not None:  # what the step read and computed (roofline accounting), for MBU / MFU

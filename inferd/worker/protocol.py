@@ -5,9 +5,15 @@ over MAX_FRAME_BYTES is a protocol error that ends the connection (the stream ca
 reader never allocates more than the limit); a frame that is not a JSON object with a known type is answered with
 an `error` message and the connection carries on.
 
-worker -> client: hello (once, on connect), outputs (one per engine step, every request's new tokens), rejected
-(a request refused by validation), heartbeat (from its own thread, with a stats snapshot), error.
-client -> worker: add, abort, ping (answered by a heartbeat at once), shutdown.
+The handshake (mutual, by a shared secret that never travels): on connect the worker sends `challenge` (its nonce);
+the client answers `auth` (its own nonce and HMAC-SHA256(secret, "gateway", worker nonce, client nonce)); the worker
+checks it in constant time and only then sends `hello`, carrying its own proof, HMAC(secret, "worker", ...), which
+the client checks. A connection that fails or does not finish the handshake in time is closed, touching nothing
+else. Without a secret (loopback only) both sides use the empty key: the same exchange, no protection.
+
+worker -> client: challenge, hello (once, after auth), outputs (one per engine step, every request's new tokens),
+rejected (a request refused by validation), heartbeat (from its own thread, with a stats snapshot), error.
+client -> worker: auth, add, abort, ping (answered by a heartbeat at once), shutdown.
 
 Every `add` carries an epoch chosen by the client; the worker echoes it in every output and refusal for that
 request, so that a client which gave up on a dispatch can drop whatever still arrives for it.
@@ -16,7 +22,11 @@ request, so that a client which gave up on a dispatch can drop whatever still ar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import re
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -24,20 +34,59 @@ from typing import Any
 
 # the limits live with every other limit, in inferd/config.py
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
+from ..config import MAX_HELLO_STRING
 from ..engine.engine import RequestOutput
 from ..engine.request import InvalidRequestError, SamplingParams
 from ..engine.sampler import TokenLogprob
 
-PROTOCOL_VERSION = 2  # 2: hello.version, stats.draining, rejected/error "retry"
+PROTOCOL_VERSION = 3  # 2: hello.version, stats.draining, rejected/error "retry"; 3: the challenge-response handshake
 
 _LENGTH = struct.Struct(">I")
 
 # worker -> client
-HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "hello", "outputs", "rejected", "heartbeat", "error"
+CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "challenge", "hello", "outputs", "rejected", "heartbeat", "error"
 # client -> worker
-ADD, ABORT, PING, SHUTDOWN = "add", "abort", "ping", "shutdown"
+AUTH, ADD, ABORT, PING, SHUTDOWN = "auth", "add", "abort", "ping", "shutdown"
 CLIENT_MESSAGE_TYPES = frozenset({ADD, ABORT, PING, SHUTDOWN})
-WORKER_MESSAGE_TYPES = frozenset({HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR})
+WORKER_MESSAGE_TYPES = frozenset({CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR})
+NONCE_BYTES = 32
+_NONCE_HEX = re.compile(r"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
+
+
+# ---- the handshake --------------------------------------------------------------------------------------------
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def _proof(secret: bytes, role: str, worker_nonce: str, client_nonce: str) -> str:
+    message = b"\0".join((b"inferd", role.encode(), worker_nonce.encode(), client_nonce.encode()))
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def client_proof(secret: bytes, worker_nonce: str, client_nonce: str) -> str:
+    """What a gateway shows: it knows the secret (bound to this connection's two nonces)."""
+    return _proof(secret, "gateway", worker_nonce, client_nonce)
+
+
+def worker_proof(secret: bytes, worker_nonce: str, client_nonce: str) -> str:
+    """What a worker shows back (another role label: a gateway's proof can never be replayed as a worker's)."""
+    return _proof(secret, "worker", worker_nonce, client_nonce)
+
+
+def proof_matches(expected: str, given: Any) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def valid_nonce(value: Any) -> bool:
+    return isinstance(value, str) and _NONCE_HEX.fullmatch(value) is not None
+
+
+def challenge_message(nonce: str) -> dict[str, Any]:
+    return {"type": CHALLENGE, "protocol_version": PROTOCOL_VERSION, "nonce": nonce}
+
+
+def auth_message(nonce: str, proof: str) -> dict[str, Any]:
+    return {"type": AUTH, "nonce": nonce, "proof": proof}
 
 
 class ProtocolError(Exception):
@@ -174,7 +223,37 @@ class WorkerHello:
 
     @classmethod
     def from_wire(cls, message: dict[str, Any]) -> "WorkerHello":
-        return cls(**{f.name: message[f.name] for f in dataclasses.fields(cls) if f.name in message})
+        """Validated: every field of the right type and in range (a worker's announcement is not trusted);
+        ProtocolError otherwise."""
+        hello = cls(**{f.name: message[f.name] for f in dataclasses.fields(cls) if f.name in message})
+        problem = hello._problem()
+        if problem is not None:
+            raise ProtocolError(f"invalid hello: {problem}")
+        return hello
+
+    def _problem(self) -> str | None:
+        for name in ("protocol_version", "pid", "max_model_len", "vocab_size", "kv_num_blocks", "kv_block_size",
+                     "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not _is(value, int) or value < 0 or value > 1 << 40:
+                return f"{name} must be a non-negative integer, got {value!r}"
+        for name in ("max_model_len", "vocab_size", "kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                return f"{name} must be at least 1"
+        for name in ("worker_id", "model", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or len(value) > MAX_HELLO_STRING:
+                return f"{name} must be a string of 1 to {MAX_HELLO_STRING} characters"
+        if not isinstance(self.eos_token_ids, list) or len(self.eos_token_ids) > 64 or not all(
+                _is(t, int) and 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            return "eos_token_ids must be a list of token ids of the vocabulary"
+        for name in ("heartbeat_interval", "peak_bandwidth", "peak_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                return f"{name} must be a finite number >= 0, got {value!r}"
+        if not self.heartbeat_interval > 0:
+            return "heartbeat_interval must be > 0"
+        return None
 
 
 @dataclass

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 
-from ..config import WORKER_REGISTRATION_TTL_S
+from ..config import MAX_HELLO_STRING, WORKER_REGISTRATION_TTL_S
 from .protocol import WorkerHello
 
 log = logging.getLogger("inferd.worker")
@@ -56,15 +56,44 @@ class Registration:
 
 
 async def discover(client) -> dict[str, dict]:
-    """The registered workers (an async redis client): worker id -> {address, worker_id, model, version}."""
+    """The registered workers (an async redis client): worker id -> {address, worker_id, model, version}. An entry
+    that is not what a worker writes (not JSON, fields missing or of the wrong type, an address that is not
+    HOST:PORT, a key holding another Redis type) is skipped and logged: it never stops discovery."""
     found = {}
     async for key in client.scan_iter(match=KEY_PREFIX + "*", count=100):
-        raw = await client.get(key)
+        try:
+            raw = await client.get(key)
+        except Exception as e:  # noqa: BLE001 - e.g. WRONGTYPE: someone else's key under our prefix
+            log.warning("ignoring the registration at %r: %s", key, e)
+            continue
         if raw is None:
             continue
-        try:
-            entry = json.loads(raw)
-            found[entry["worker_id"]] = entry
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring a malformed registration at %r", key)
+        problem, entry = _validate_entry(raw)
+        if problem is not None:
+            log.warning("ignoring a malformed registration at %r: %s", key, problem)
+            continue
+        found[entry["worker_id"]] = entry
     return found
+
+
+def _validate_entry(raw) -> tuple[str | None, dict]:
+    from ..cluster.remote import parse_address
+
+    try:
+        entry = json.loads(raw)
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return "not JSON", {}
+    if not isinstance(entry, dict):
+        return "not a JSON object", {}
+    for name in ("address", "worker_id"):
+        value = entry.get(name)
+        if not isinstance(value, str) or not value or len(value) > MAX_HELLO_STRING:
+            return f"{name} must be a non-empty string", {}
+    for name in ("model", "version"):
+        if not isinstance(entry.get(name, ""), str):
+            return f"{name} must be a string", {}
+    try:
+        parse_address(entry["address"])
+    except ValueError as e:
+        return str(e), {}
+    return None, entry

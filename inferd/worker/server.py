@@ -1,9 +1,12 @@
-"""The worker process: one Engine behind a TCP listener, serving one client connection (the gateway) at a time.
+"""The worker process: one Engine behind a TCP listener, serving every authenticated client connection (gateways)
+at once, each with its own requests.
 
-Threads: the main thread accepts connections (a new one replaces the current one, whose requests are then
-aborted); one reader thread per connection parses frames and hands requests to the EngineLoop; the EngineLoop
-thread steps the engine; a heartbeat thread sends `heartbeat` every interval whatever the engine is doing, so a long
-step never looks like death. Whole frames are written under a per-connection lock, from whichever thread.
+Threads: the main thread accepts connections; one thread per connection runs the handshake (the challenge-response
+of inferd/worker/protocol.py, by the shared secret, within WORKER_HANDSHAKE_TIMEOUT_S: a port scan, a TCP probe or a
+client without the secret is closed and touches nothing), then parses frames and hands requests to the EngineLoop;
+the EngineLoop thread steps the engine; a heartbeat thread sends `heartbeat` to every connection every interval
+whatever the engine is doing, so a long step never looks like death. Whole frames are written under a
+per-connection lock, from whichever thread. A connection that closes aborts its own requests only.
 
 Lifecycle: prints `READY tcp://HOST:PORT` once it accepts connections. SIGTERM/SIGINT: abort what runs, send the
 final outputs, close, exit 0. A client `shutdown` does the same after a grace period. If the step thread itself
@@ -29,13 +32,14 @@ from typing import Any
 
 import torch
 
-from ..config import DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, EngineConfig
+from ..config import DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
 from ..engine import Engine, InvalidRequestError
 from .engine_loop import EngineLoop
 from .faults import FaultInjector
-from .protocol import (ABORT, ADD, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
-                       SHUTDOWN, ProtocolError, WorkerHello, decode_message, encode_frame, error_message,
-                       heartbeat_message, parse_add, read_frame, rejected_message)
+from .protocol import (ABORT, ADD, AUTH, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
+                       SHUTDOWN, ProtocolError, WorkerHello, challenge_message, client_proof, decode_message,
+                       encode_frame, error_message, heartbeat_message, new_nonce, parse_add, proof_matches,
+                       read_frame, rejected_message, valid_nonce, worker_proof)
 
 log = logging.getLogger("inferd.worker")
 
@@ -87,7 +91,8 @@ class Connection:
 
 class WorkerServer:
     def __init__(self, engine: Engine, hello: WorkerHello, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, faults: FaultInjector | None = None):
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, faults: FaultInjector | None = None,
+                 secret: bytes = b"", handshake_timeout: float = WORKER_HANDSHAKE_TIMEOUT_S):
         if not heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0 seconds, got {heartbeat_interval}")
         self.loop = EngineLoop(engine, on_crash=self._on_engine_loop_crash, faults=faults)
@@ -98,8 +103,11 @@ class WorkerServer:
         self.listener = socket.create_server((host, port))
         self.listener.settimeout(ACCEPT_POLL_S)
         self.host, self.port = self.listener.getsockname()[:2]
-        self._current: Connection | None = None
-        self._current_lock = threading.Lock()  # the accept loop and the readers both replace _current
+        self.secret = secret
+        self.handshake_timeout = handshake_timeout
+        self._conns: set[Connection] = set()  # authenticated connections (heartbeats go to each)
+        self._conns_lock = threading.Lock()
+        self.num_refused = 0  # connections closed for failing the handshake
         self._shutdown = threading.Event()
         self._heartbeat_seq = itertools.count(1)
 
@@ -117,8 +125,10 @@ class WorkerServer:
             self._adopt(sock, address)
         self.listener.close()
         self.loop.join()
-        if self._current is not None:
-            self._current.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
         log.info("worker %s stopped", self.hello.worker_id)
 
     def request_shutdown(self, grace_period: float = 0.0) -> None:
@@ -133,13 +143,44 @@ class WorkerServer:
     def _adopt(self, sock: socket.socket, address: Any) -> None:
         sock.settimeout(None)
         conn = Connection(sock, address)
-        conn.send(self.hello.to_wire())  # before heartbeats can reach it: hello is always the first frame
-        with self._current_lock:
-            previous, self._current = self._current, conn
-        if previous is not None:
-            log.info("connection from %s replaces %s", address, previous.address)
-            previous.close()  # its reader thread sees the end and drops its requests
-        threading.Thread(target=self._read, args=(conn,), name="inferd-conn-reader", daemon=True).start()
+        threading.Thread(target=self._serve_connection, args=(conn,), name="inferd-conn-reader", daemon=True).start()
+
+    def _serve_connection(self, conn: Connection) -> None:
+        if not self._handshake(conn):
+            self.num_refused += 1
+            conn.release()
+            return
+        with self._conns_lock:
+            self._conns.add(conn)
+        log.info("connection from %s authenticated (%d open)", conn.address, len(self._conns))
+        self._read(conn)
+
+    def _handshake(self, conn: Connection) -> bool:
+        """challenge -> auth (checked) -> hello with the worker's own proof. False (nothing sent after the
+        challenge) when the client does not answer in time, answers anything else, or does not know the secret."""
+        nonce = new_nonce()
+        conn.send(challenge_message(nonce))
+        message = None
+        try:
+            conn.sock.settimeout(self.handshake_timeout)
+            body = read_frame(conn.sock)
+            if body is not None:
+                message = decode_message(body, frozenset({AUTH}))
+        except (ProtocolError, OSError, ValueError):
+            message = None
+        finally:
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(None)
+        client_nonce = message.get("nonce") if message is not None else None
+        if not valid_nonce(client_nonce) or not proof_matches(client_proof(self.secret, nonce, client_nonce),
+                                                              message.get("proof")):
+            log.warning("connection from %s failed the handshake (no answer, or not the shared secret): closed",
+                        conn.address)
+            return False
+        hello = self.hello.to_wire()  # before heartbeats can reach it: hello is the first frame after the handshake
+        hello["proof"] = worker_proof(self.secret, nonce, client_nonce)
+        conn.send(hello)
+        return True
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -156,9 +197,8 @@ class WorkerServer:
         finally:
             self.loop.drop(conn)
             conn.release()
-            with self._current_lock:
-                if self._current is conn:
-                    self._current = None
+            with self._conns_lock:
+                self._conns.discard(conn)
 
     def _handle_frame(self, conn: Connection, body: bytes) -> None:
         try:
@@ -204,9 +244,12 @@ class WorkerServer:
         while True:
             self._beat_now.wait(self.heartbeat_interval)
             self._beat_now.clear()
-            conn = self._current
-            if conn is not None:
-                conn.send(self._heartbeat())
+            with self._conns_lock:
+                conns = list(self._conns)
+            if conns:
+                message = self._heartbeat()
+                for conn in conns:
+                    conn.send(message)
 
     def _heartbeat(self) -> dict[str, Any]:
         stats = dataclasses.replace(self.loop.stats, step_in_progress_s=self.loop.step_seconds(),
@@ -286,6 +329,7 @@ class WorkerRunOptions:
     advertise: str | None = None  # HOST:PORT gateways should connect to (default: the listening address)
     peak_bandwidth: float | None = None  # bytes/s; None: calibrated once per device (cached)
     peak_flops: float | None = None  # FLOP/s
+    secret: str = ""  # shared with the gateways (the handshake); empty: loopback only
 
 
 def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
@@ -326,7 +370,8 @@ def serve_engine(engine, config: EngineConfig, opts: WorkerRunOptions) -> int:
                  device_peaks.bandwidth / 1e9, device_peaks.flops / 1e9, engine.dtype, device_peaks.ridge)
     hello = build_hello(engine, config, worker_id, opts.heartbeat_interval, opts.version, device_peaks)
     faults = FaultInjector.from_env(worker_id, opts.version)
-    server = WorkerServer(engine, hello, opts.host, opts.port, opts.heartbeat_interval, faults=faults)
+    server = WorkerServer(engine, hello, opts.host, opts.port, opts.heartbeat_interval, faults=faults,
+                          secret=opts.secret.encode())
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_shutdown(opts.shutdown_grace))
     registration = None

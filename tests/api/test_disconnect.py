@@ -55,7 +55,7 @@ def test_non_stream_disconnect_frees_the_request(smollm2_server):
     url = urlparse(server.url)
     payload = (b'{"model": "%s", "prompt": "Write a long story about a dragon.", "max_tokens": %d, '
                b'"ignore_eos": true, "temperature": 0}' % (server.model.encode(), LONG))
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
     sock = socket.create_connection((url.hostname, url.port))
     try:

@@ -27,7 +27,11 @@ def test_a_failed_step_fails_only_the_requests_in_it(tmp_path, tiny_llama_dir):
         responses = asyncio.run(three())
         assert sorted(r.status_code for r in responses) == [200, 200, 500], [r.text for r in responses]
         [failed] = [r for r in responses if r.status_code == 500]
-        assert failed.json()["error"]["code"] == "engine_error"
+        error = failed.json()["error"]
+        assert error["code"] == "engine_error"
+        # what failed inside stays in the log; the client gets the request id to quote
+        assert "InjectedFault" not in error["message"] and failed.headers["x-request-id"] in error["message"]
+        assert failed.headers["x-request-id"] in server.log()
         for r in responses:
             if r.status_code == 200:
                 assert r.json()["usage"]["completion_tokens"] == 20

@@ -24,10 +24,11 @@ class RemoteWorker:
         return self.proc.pid
 
 
-def start_worker(tmp_path: Path, model: str | Path, worker_id: str, *extra: str) -> RemoteWorker:
+def start_worker(tmp_path: Path, model: str | Path, worker_id: str, *extra: str,
+                 env: dict[str, str] | None = None) -> RemoteWorker:
     log_path = tmp_path / f"{worker_id}.log"
     command = [sys.executable, "-m", "inferd", "worker", "--listen", "127.0.0.1:0", "--worker-id", worker_id,
                "--dtype", "float32", "--threads", "1", "--model", str(model), *CLUSTER_ARGS,
                *extra]
-    proc, address = start_ready(command, log_path, "READY tcp://")
+    proc, address = start_ready(command, log_path, "READY tcp://", env)
     return RemoteWorker(proc, address, worker_id, log_path)

@@ -16,13 +16,14 @@ import pytest
 import torch
 from parity import Reference, assert_greedy_parity
 
-from inferd.config import EngineConfig
+from inferd.config import WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
 from inferd.engine import Engine, InvalidRequestError, SamplingParams
 from inferd.models.build import load_model
 from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead, WorkerUnavailable
-from inferd.worker.protocol import (ADD, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED, FrameDecoder,
-                                    ProtocolError, decode_message, encode_frame, read_frame, sampling_params_from_dict,
-                                    sampling_params_to_dict)
+from inferd.worker.protocol import (ADD, CHALLENGE, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED,
+                                    FrameDecoder, ProtocolError, auth_message, client_proof, decode_message,
+                                    encode_frame, new_nonce, read_frame, sampling_params_from_dict,
+                                    sampling_params_to_dict, worker_proof)
 
 PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
 MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]
@@ -172,19 +173,62 @@ def test_a_dropped_connection_frees_its_requests(worker, prompts):
     assert outs[-1].num_output_tokens == 8 and outs[-1].finish_reason == "length"
 
 
-def test_a_new_connection_replaces_the_current_one(worker, prompts):
-    async def main():
-        old = await WorkerClient.connect(worker.host, worker.port)
-        stream = old.generate("old", prompts[0], greedy(LONG))
-        await first_output(stream)
-        async with await WorkerClient.connect(worker.host, worker.port) as new:
-            with pytest.raises(WorkerDead):
-                await asyncio.wait_for(collect_rest(stream), 10)
-            await new.wait_for_stats(idle, timeout=5)
-            return await asyncio.wait_for(collect(new, "new", prompts[1], greedy(5)), 30)
+def test_two_connections_are_served_at_once_each_with_its_own_requests(worker, reference, prompts):
+    """Two gateways on one worker, using the same request id: both streams complete, each equal to the offline
+    engine's; one connection closing aborts only its own requests."""
+    refs = reference.generate(prompts[:2], [greedy(20)] * 2)
 
-    outs = asyncio.run(main())
-    assert outs[-1].num_output_tokens == 5
+    async def main():
+        a = await WorkerClient.connect(worker.host, worker.port)
+        async with await WorkerClient.connect(worker.host, worker.port) as b:
+            outs = await asyncio.wait_for(asyncio.gather(collect(a, "same-id", prompts[0], greedy(20)),
+                                                         collect(b, "same-id", prompts[1], greedy(20))), 60)
+            long_a = a.generate("long", prompts[2], greedy(LONG))
+            long_b = b.generate("long", prompts[3], greedy(60))
+            await first_output(long_a)
+            await a.close()  # a's requests are aborted there; b's carry on
+            rest_b = await asyncio.wait_for(collect_rest(long_b), 60)
+            return outs, rest_b
+
+    (out_a, out_b), rest_b = asyncio.run(main())
+    assert_same_greedy(tokens(out_a), refs[0])
+    assert_same_greedy(tokens(out_b), refs[1])
+    assert rest_b[-1].finished and rest_b[-1].num_output_tokens == 60
+
+
+def test_the_handshake_keeps_out_what_does_not_know_the_secret(spawn_worker, prompts):
+    """A worker with a secret: a port scan (connect, close), a TCP probe that sends garbage, a silent connection and
+    a client with the wrong secret are each closed, without disturbing an authenticated stream."""
+    secret = "s3cret-for-the-test"
+    proc = spawn_worker("--heartbeat-interval", "0.1", env={"INFERD_WORKER_SECRET": secret})
+
+    async def main():
+        async with await WorkerClient.connect(proc.host, proc.port, secret=secret.encode()) as client:
+            stream = client.generate("kept", prompts[0], greedy(300))
+            await first_output(stream)
+            socket.create_connection((proc.host, proc.port)).close()  # a port scan / tcpSocket probe
+            probe = RawConnection(proc.host, proc.port, secret=None)
+            probe.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert probe.receive() is None  # closed, nothing said after the challenge
+            probe.close()
+            wrong = RawConnection(proc.host, proc.port, secret=None)
+            ours = new_nonce()
+            wrong.send(auth_message(ours, client_proof(b"not the secret", wrong.challenge["nonce"], ours)))
+            assert wrong.receive() is None
+            wrong.close()
+            with pytest.raises(WorkerDead, match="secret"):
+                await WorkerClient.connect(proc.host, proc.port, secret=b"not the secret")
+            with pytest.raises(WorkerDead, match="secret"):
+                await WorkerClient.connect(proc.host, proc.port)  # no secret at all
+            silent = RawConnection(proc.host, proc.port, secret=None)
+            silent.sock.settimeout(WORKER_HANDSHAKE_TIMEOUT_S + 20)
+            assert silent.receive() is None  # closed at the handshake deadline
+            silent.close()
+            return await asyncio.wait_for(collect_rest(stream), 60)
+
+    rest = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].num_output_tokens == 300  # the authenticated stream never noticed
+    assert "failed the handshake" in proc.log()
 
 
 async def collect_rest(stream) -> list:
@@ -315,10 +359,18 @@ def test_shutdown_finishes_running_requests_and_exits_0(spawn_worker, prompts):
 class RawConnection:
     """A bare socket speaking frames, to send what a well-behaved client never would."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, secret: bytes | None = b""):
+        """secret: run the handshake with it (None: none, the connection stays at the worker's challenge)."""
         self.sock = socket.create_connection((host, port), timeout=10)
         self.skipped: list[dict] = []  # messages receive_until passed over (outputs that arrived in between)
-        assert self.receive()["type"] == HELLO
+        self.challenge = self.receive()
+        assert self.challenge["type"] == CHALLENGE
+        if secret is not None:
+            ours = new_nonce()
+            self.send(auth_message(ours, client_proof(secret, self.challenge["nonce"], ours)))
+            hello = self.receive()
+            assert hello["type"] == HELLO
+            assert hello["proof"] == worker_proof(secret, self.challenge["nonce"], ours)
 
     def send(self, message) -> None:
         self.sock.sendall(encode_frame(message))
@@ -426,3 +478,45 @@ def test_frames_split_anywhere_decode_the_same():
     assert e.value.fatal
     with pytest.raises(ProtocolError, match="over the"):
         encode_frame({"type": OUTPUTS, "blob": "x" * MAX_FRAME_BYTES})
+
+
+def test_a_worker_hello_is_validated_field_by_field():
+    from inferd.gateway.router import Router
+    from inferd.worker.protocol import PROTOCOL_VERSION, WorkerHello
+
+    good = dict(protocol_version=PROTOCOL_VERSION, worker_id="w", pid=1, model="m", max_model_len=256,
+                vocab_size=100, eos_token_ids=[2], kv_num_blocks=10, kv_block_size=16, max_num_seqs=4,
+                max_num_batched_tokens=64, heartbeat_interval=0.5, version="v1")
+    assert WorkerHello.from_wire(good).worker_id == "w"
+    for field, bad in [("max_model_len", -1), ("max_model_len", "256"), ("vocab_size", 0), ("pid", True),
+                       ("worker_id", ""), ("worker_id", "x" * 300), ("model", 5), ("eos_token_ids", [100]),
+                       ("eos_token_ids", "2"), ("heartbeat_interval", 0), ("heartbeat_interval", float("inf")),
+                       ("peak_flops", -1.0), ("max_num_seqs", 1 << 50)]:
+        with pytest.raises(ProtocolError, match="invalid hello"):
+            WorkerHello.from_wire({**good, field: bad})
+    # a worker of another vocabulary (or stop tokens) is not attached beside the ones there
+    router = Router()
+    assert router.incompatibility(WorkerHello.from_wire(good)) is None
+
+    class Attached:
+        hello = WorkerHello.from_wire(good)
+
+    router.workers.append(Attached())
+    assert router.incompatibility(WorkerHello.from_wire({**good, "worker_id": "w2"})) is None
+    assert "vocabulary" in router.incompatibility(WorkerHello.from_wire({**good, "vocab_size": 200}))
+    assert "end-of-sequence" in router.incompatibility(WorkerHello.from_wire({**good, "eos_token_ids": [3]}))
+
+
+def test_a_worker_listening_beyond_loopback_needs_a_secret(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "inferd", "worker", "--echo", "--model", str(tiny_llama_dir)]
+    out = subprocess.run([*base, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "INFERD_WORKER_SECRET"})
+    assert out.returncode == 2 and "without a worker secret" in out.stderr
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    out = subprocess.run([*base, "--listen", "0.0.0.0:0", "--worker-secret-file", str(empty)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "is empty" in out.stderr
