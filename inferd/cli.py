@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "needs --dtype bfloat16 or float16)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at start")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a sequence's logits independent of its batch and of prefill vs decode, so that greedy and "
+                   "seeded streams replay exactly in bf16 too (failover); slower (docs/benchmarks.md)")
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                     help="ngram: draft tokens by prompt lookup, verified in one forward pass; outputs unchanged "
@@ -89,7 +92,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                         quantize=args.quantize, speculative=args.speculative, num_draft=args.num_draft,
                         ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                        speculative_max_batch=args.speculative_max_batch, cuda_graphs=not args.no_cuda_graphs)
+                        speculative_max_batch=args.speculative_max_batch, cuda_graphs=not args.no_cuda_graphs,
+                        batch_invariant=args.batch_invariant)
 
 
 def _stream(engine, request_id: str, out=sys.stdout) -> None:
@@ -189,6 +193,8 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
         out += ["--quantize", args.quantize]
     if args.no_cuda_graphs:
         out.append("--no-cuda-graphs")
+    if args.batch_invariant:
+        out.append("--batch-invariant")
     if args.speculative is not None:
         out += ["--speculative", args.speculative, "--num-draft", str(args.num_draft), "--ngram-min",
                 str(args.ngram_min), "--ngram-max", str(args.ngram_max), "--speculative-max-batch",
@@ -242,14 +248,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
-    """--NAME, else --NAME-file, else $ENV (unset or empty: None). ValueError on an empty flag or file (a key that
-    any empty bearer would match), or an unreadable file."""
+    """--NAME, else --NAME-file, else $ENV (unset: None). ValueError on an empty flag, file or variable (a key that
+    any empty bearer would match, or a setting gone wrong that would silently turn the key off), both the flag and
+    the file, or an unreadable file."""
     flag = name.replace("_", "-")
     value, path = getattr(args, name), getattr(args, name + "_file")
+    if value is not None and path is not None:
+        raise ValueError(f"give --{flag} or --{flag}-file, not both")
     if value is not None:
         if not value.strip():
             raise ValueError(f"--{flag} is empty: give a key, or leave the flag out")
-        return value
+        return value.strip()  # the bearer token is compared stripped
     if path is not None:
         try:
             with open(path) as f:
@@ -259,7 +268,10 @@ def read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
         if not value:
             raise ValueError(f"--{flag}-file {path} is empty")
         return value
-    return os.environ.get(env, "").strip() or None
+    value = os.environ.get(env)
+    if value is not None and not value.strip():
+        raise ValueError(f"${env} is set but empty: give a key, or unset it")
+    return value.strip() if value is not None else None
 
 
 def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
@@ -576,10 +588,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.keys_command == "list":
-        print(f"{'tenant':<20} {'tier':<12} {'rpm':>8} {'tpm':>10} {'conc':>5} {'weight':>6}")
+        print(f"{'tenant':<20} {'tier':<12} {'rpm':>8} {'tpm':>10} {'conc':>5} {'weight':>6} cache group")
         for t in store.tenants.values():
             print(f"{t.name:<20} {t.tier:<12} {t.rpm or '-':>8} {t.tpm or '-':>10} {t.max_concurrency or '-':>5} "
-                  f"{t.weight:>6g}")
+                  f"{t.weight:>6g} {t.cache_group or '-'}")
         print(f"\n{'key id':<14} {'tenant':<20} {'created':<20} revoked")
         for r in store.keys.values():
             revoked = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.revoked)) if r.revoked else "-"

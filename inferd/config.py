@@ -42,6 +42,7 @@ MAX_PROMPTS_PER_REQUEST = 64  # a /v1/completions batch (`prompt` as a list of p
 MAX_CHOICES_PER_REQUEST = 128  # prompts x n
 MAX_LOGPROBS = 20  # `logprobs` (completions) and `top_logprobs` (chat)
 MAX_STOP_STRINGS = 16  # entries of `stop`
+MAX_STOP_TOKEN_IDS = 64  # entries of `stop_token_ids` (each must also be in the vocabulary)
 MAX_STOP_STRING_CHARS = 1024  # the text held back while it could still become a stop string
 MAX_IDENTIFIER_CHARS = 256  # `model`, `user`, a message's `name` and other client-chosen identifiers
 MAX_CACHE_SALT_CHARS = 300  # a request's prefix-cache salt ("tenant:" or "group:" + a name)
@@ -148,6 +149,9 @@ class EngineConfig:
     # decode steps replayed as CUDA graphs, captured at start for a ladder of batch sizes (inferd/engine/cuda_graph.py);
     # only on CUDA (and one process): ignored on a CPU and under tensor parallelism
     cuda_graphs: bool = True
+    # a sequence's logits independent of its batch and of prefill vs decode (inferd/models/batch_invariant.py): exact
+    # replays in bf16 too, at a cost (docs/benchmarks.md)
+    batch_invariant: bool = False
     # the CUDA graphs' static-shape decode path without capturing graphs, on any device (CPU checks of that path:
     # tests, bench/gpu_check.py --dry-run); off in serving
     static_decode: bool = False

@@ -651,9 +651,11 @@ def _loopback_name(host: str) -> bool:
     if host in ("localhost", "localhost.") or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # [::ffff:127.0.0.1]: Python 3.11 does not call it loopback
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _connection_aborter(send):

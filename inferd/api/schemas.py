@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from ..config import (MAX_IDENTIFIER_CHARS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS,
-                      MAX_STOP_STRINGS)
+                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -58,7 +58,7 @@ class _SamplingFields(_Strict):
     ignore_eos: StrictBool | None = Field(False, description="vLLM extension")
     min_tokens: StrictInt | None = Field(0, ge=0, description="vLLM extension")
     repetition_penalty: Float | None = Field(None, gt=0, le=10, description="vLLM extension")
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="vLLM extension")
     return_tokens_as_token_ids: StrictBool | None = Field(
         False, description="vLLM extension: logprobs name tokens 'token_id:N'")
@@ -127,22 +127,22 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI parameters not supported yet: only their neutral values are accepted
     response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} for now")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported yet: only null or []")
-    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description="not supported yet: 'none' or null")
+    tool_choice: Identifier | dict[str, Any] | None = Field(None, description="not supported yet: 'none' or null")
     parallel_tool_calls: StrictBool | None = None
     functions: list[dict[str, Any]] | None = Field(None, description="not supported: only null or []")
-    function_call: StrictStr | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")
+    function_call: Identifier | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")
     audio: dict[str, Any] | None = Field(None, description="not supported: only null")
-    modalities: list[StrictStr] | None = Field(None, description="only ['text']")
+    modalities: list[Identifier] | None = Field(None, description="only ['text']")
     prediction: dict[str, Any] | None = Field(None, description="not supported: only null")
     store: StrictBool | None = Field(None, description="not supported: only false")
     metadata: dict[str, StrictStr] | None = Field(None, description="not supported: only null or {}")
-    service_tier: StrictStr | None = Field(None, description="only 'auto' or 'default'")
-    reasoning_effort: StrictStr | None = Field(None, description="not supported: only null")
-    verbosity: StrictStr | None = Field(None, description="not supported: only null")
+    service_tier: Identifier | None = Field(None, description="only 'auto' or 'default'")
+    reasoning_effort: Identifier | None = Field(None, description="not supported: only null")
+    verbosity: Identifier | None = Field(None, description="not supported: only null")
     web_search_options: dict[str, Any] | None = Field(None, description="not supported: only null")
     moderation: dict[str, Any] | None = Field(None, description="not supported: only null")
     prompt_cache_key: Identifier | None = Field(None, description="accepted: inferd caches prefixes by content")
-    prompt_cache_retention: StrictStr | None = Field(None, description="not supported: only null")
+    prompt_cache_retention: Identifier | None = Field(None, description="not supported: only null")
     prompt_cache_options: dict[str, Any] | None = Field(None, description="not supported: only null")
     safety_identifier: Identifier | None = None
 
@@ -172,7 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: either a raw prompt or chat messages (through the chat template)."""
-    model: StrictStr | None = None
+    model: Identifier | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool | None = Field(True, description="for a raw prompt: add BOS if the model has one")
@@ -180,7 +180,7 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: StrictStr | None = None
+    model: Identifier | None = None
     tokens: list[TokenId]
 
 

@@ -110,7 +110,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
                       lambda: (router.affinity_hits, router.affinity_queries))
     try:
         limiter = await _limiter(opts)
-        keys = KeyStore.load(opts.keys_path) if opts.keys_path else None
+        keys = KeyStore.load(opts.keys_path, missing_ok=False) if opts.keys_path else None
     except Exception as e:  # Redis unreachable, a keys file that does not parse
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -309,7 +309,7 @@ async def _watch_keys(state, path: str) -> None:
                 log.error("keys file %s is missing: not reloaded, the previous keys stay in force", path)
                 continue
             try:
-                state.keys = await asyncio.to_thread(KeyStore.load, path)
+                state.keys = await asyncio.to_thread(KeyStore.load, path, False)  # missing: keep the old
             except (ValueError, OSError) as e:
                 log.error("keys file not reloaded, the previous keys stay in force: %s", e)
                 continue

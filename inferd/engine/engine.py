@@ -63,6 +63,17 @@ def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                          a.logprobs + b.logprobs)
 
 
+def check_batch_invariant(config: EngineConfig) -> None:
+    """ValueError for what batch-invariant mode does not cover (before anything loads)."""
+    if not config.batch_invariant:
+        return
+    if config.tensor_parallel != 1:
+        raise ValueError("--batch-invariant does not support --tensor-parallel yet (the other ranks' layers would "
+                         "need their row tiles too)")
+    if config.quantize is not None:
+        raise ValueError("--batch-invariant does not support --quantize yet (its int8 matmuls are not tiled)")
+
+
 def check_speculative(config: EngineConfig) -> None:
     """ValueError for speculative settings that can't run (before anything loads)."""
     if config.speculative is None:
@@ -88,6 +99,7 @@ class Engine:
             raise ValueError(f"tensor_parallel={config.tensor_parallel} needs a model shard and its other ranks: "
                              "build the engine with Engine.from_config")
         check_speculative(config)
+        check_batch_invariant(config)
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
@@ -100,7 +112,8 @@ class Engine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
         static = config.static_decode and num_blocks > 1  # the same path uncaptured (a CPU check of it)
-        decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1
+        # batch-invariant steps never take the graphs' padded static path
+        decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1 and not config.batch_invariant
         self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
@@ -108,6 +121,11 @@ class Engine:
         if decode_graphs:
             graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, scratch_block=num_blocks - 1)
             self.runner.decode_graphs = graphs if static and not wants_decode_graphs(config) else graphs.capture()
+        if config.batch_invariant:
+            from ..models import batch_invariant
+
+            batch_invariant.enable(model)
+            self.runner.batch_invariant = True
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
@@ -133,6 +151,7 @@ class Engine:
         path = config.model or default_model_path()
         dtype = resolve_dtype(config.dtype, config.device)
         check_speculative(config)
+        check_batch_invariant(config)
         check_quantization(config.quantize, dtype)  # before anything loads or starts
         resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
         if config.tensor_parallel != 1:

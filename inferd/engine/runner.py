@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, build_decode_mask
+from ..models.batch_invariant import build_groups
 from ..models.config import ModelConfig
 from .scheduler import SchedulerOutput
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.model = model
         self.parallel = parallel
         self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs for decode steps, set by the engine on CUDA
+        self.batch_invariant = False  # every row's attention the same way (inferd/models/batch_invariant.py)
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
@@ -123,6 +125,11 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
+        if self.batch_invariant:  # each query row: (its context length, its block table)
+            contexts = [(start + j + 1, blocks) for tokens, start, blocks, _ in rows for j in range(len(tokens))]
+            meta.invariant = build_groups(contexts, bs, dev)
+            return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                    torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
         meta.decode_groups = [
             DecodeGroup(lo, hi, *self._decode_tables(decode_tables[lo:hi], decode_lens[lo:hi]))
             for lo, hi in split_by_length(decode_lens, bs)]

@@ -1,10 +1,11 @@
 """Tenants and their API keys: the keys file, and who a request's key belongs to.
 
-The keys file (JSON, written by `inferd keys`) holds tenants (tier, limits, fairness weight) and keys. A key is
-`sk-inferd-<id>-<secret>`: the id is public (it names the key in `keys list` and in logs), the secret is 32 random
-bytes. The file stores only the key's SHA-256 (a 256-bit random secret needs no slow hash), and a key is checked by
-looking its id up and comparing the digests in constant time (hmac.compare_digest), so that timing tells nothing of
-the secret. The server holds an immutable `KeyStore` snapshot and swaps it on reload (SIGHUP, or the file changed).
+The keys file (JSON, written by `inferd keys`) holds tenants (tier, limits, fairness weight, cache group) and keys.
+A key is `sk-inferd-<id>-<secret>`: the id is public (it names the key in `keys list` and in logs), the secret is
+32 random bytes. The file stores only the key's SHA-256 (a 256-bit random secret needs no slow hash), and a key is
+checked by looking its id up and comparing the digests in constant time (hmac.compare_digest), so that timing tells
+nothing of the secret. The server holds an immutable `KeyStore` snapshot and swaps it on reload (SIGHUP, or the
+file changed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..config import DEFAULT_TIER, TIERS
+from ..config import DEFAULT_TIER, MAX_IDENTIFIER_CHARS, TIERS
 from .limits import TenantLimits
 
 KEY_PREFIX = "sk-inferd-"
@@ -42,8 +43,11 @@ class Tenant:
 
     @property
     def cache_salt(self) -> str:
-        """The prefix cache's salt for this tenant's requests (inferd/engine/kv_cache.py hash_block_tokens)."""
-        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
+        """The prefix cache's salt for this tenant's requests (inferd/engine/kv_cache.py hash_block_tokens): its
+        cache group's, else its own. A digest: of fixed length whatever the name, and the workers (perhaps another
+        operator's machines) learn no tenant or group names from it."""
+        owner = f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
+        return hashlib.sha256(owner.encode()).hexdigest()
 
     @property
     def band(self) -> int:
@@ -65,9 +69,9 @@ class Tenant:
         if not self.name or not isinstance(self.name, str):
             raise ValueError("a tenant needs a name")
         if self.cache_group is not None and (not isinstance(self.cache_group, str) or not self.cache_group
-                                             or len(self.cache_group) > 256):
-            raise ValueError(f"cache_group must be a non-empty name of at most 256 characters, got "
-                             f"{self.cache_group!r}")
+                                             or len(self.cache_group) > MAX_IDENTIFIER_CHARS):
+            raise ValueError(f"cache_group must be a non-empty name of at most {MAX_IDENTIFIER_CHARS} characters, "
+                             f"got {self.cache_group!r}")
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,16 @@ class KeyStore:
 
     # ---- the file ----------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str) -> "KeyStore":
-        """Raises ValueError with the reason when the file is not a valid keys file."""
+    def load(cls, path: str, missing_ok: bool = True) -> "KeyStore":
+        """Raises ValueError with the reason when the file is not a valid keys file. A missing file is an empty store
+        (`keys create` starts one) unless missing_ok is False: a server's keys file that vanished (even between a
+        check and this read) must never become an empty key set."""
         try:
             with open(path) as f:
                 data = json.load(f)
         except FileNotFoundError:
+            if not missing_ok:
+                raise ValueError(f"the keys file {path} is missing") from None
             return cls()
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read the keys file {path}: {e}") from None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from .batch_invariant import invariant_attention
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -27,8 +28,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN layout; not a parameter (state_dict can't hold it)
+        self.tile_rows: int | None = None  # batch-invariant mode: calls of exactly this many rows (batch_invariant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_rows is not None and x.dim() == 2:
+            from .batch_invariant import tiled_rows
+
+            return tiled_rows(self._forward, x, self.tile_rows)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -91,6 +100,9 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(T, self.n_kv, self.head_dim), cos, sin)
         v = v.view(T, self.n_kv, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.invariant is not None:  # batch-invariant mode: every row the same way (batch_invariant.py)
+            out = invariant_attention(q, k_cache, v_cache, meta.invariant, self.scale)
+            return self.o_proj(out.reshape(T, self.q_size))
         parts = [decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale) for g in meta.decode_groups]
         for seq in meta.prefills:
             s, e = seq.start, seq.end

@@ -75,6 +75,11 @@ INVALID_400 = [
     ("/v1/completions", completion(prompt=["a"] * 9, n=16), "n", "any"),  # MAX_CHOICES_PER_REQUEST
     ("/v1/completions", completion(stop="x" * 1025), "stop", "any"),  # MAX_STOP_STRING_CHARS
     ("/v1/completions", completion(prompt=[10 ** 6]), "prompt", "any"),
+    ("/v1/completions", completion(stop_token_ids=[1] * 65), "stop_token_ids", "invalid_value"),  # MAX_STOP_TOKEN_IDS
+    ("/v1/completions", completion(stop_token_ids=[-1]), "stop_token_ids.0", "invalid_value"),
+    ("/v1/completions", completion(stop_token_ids=[10 ** 6]), "stop_token_ids", "any"),  # outside the vocabulary
+    ("/v1/completions", completion(user="u" * 257), "user", "invalid_value"),  # MAX_IDENTIFIER_CHARS
+    ("/v1/completions", completion(model="m" * 257), "model", "invalid_value"),
     ("/v1/chat/completions", chat(messages=[]), "messages", "invalid_value"),
     ("/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role",
      "invalid_value"),
@@ -84,6 +89,13 @@ INVALID_400 = [
                                                                          "image_url": {"url": "x"}}]}]),
      "any", "any"),
     ("/v1/chat/completions", chat(messages="hi"), "messages", "invalid_value"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": None}]), "messages.0", "invalid_value"),
+    ("/v1/chat/completions", chat(messages=[{"role": "system", "content": None}, *MSG]), "messages.0",
+     "invalid_value"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "name": "n" * 257}]),
+     "messages.0.name", "invalid_value"),
+    ("/v1/chat/completions", chat(service_tier="s" * 257), "service_tier", "invalid_value"),
+    ("/v1/chat/completions", chat(safety_identifier="s" * 257), "safety_identifier", "invalid_value"),
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "unsupported_parameter"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format",
@@ -95,6 +107,7 @@ INVALID_400 = [
     ("/v1/chat/completions", chat(modalities=["text", "audio"]), "modalities", "unsupported_parameter"),
     ("/tokenize", {"prompt": "a", "messages": MSG}, "prompt", "any"),
     ("/tokenize", {}, "prompt", "any"),
+    ("/tokenize", {"model": "m" * 257, "prompt": "a"}, "model", "invalid_value"),
     ("/detokenize", {"tokens": [10 ** 6]}, "tokens", "any"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0", "any"),
 ]

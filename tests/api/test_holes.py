@@ -125,7 +125,8 @@ def test_a_keyless_server_serves_loopback_names_only_and_survives_sighup(tmp_pat
     try:
         port = server.url.rsplit(":", 1)[1]
         for host, status in [(f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("[::1]", 200),
-                             ("evil.example", 403), (f"attacker.example:{port}", 403)]:
+                             ("[::ffff:127.0.0.1]", 200), ("evil.example", 403), (f"attacker.example:{port}", 403),
+                             ("127.0.0.1.nip.io", 403), (f"localhost.evil.example:{port}", 403)]:
             r = httpx.get(server.url + "/v1/models", headers={"Host": host})
             assert r.status_code == status, (host, r.text)
             if status == 403:
@@ -150,6 +151,10 @@ def _serve_fails(tiny_llama_dir, *args: str, env: dict | None = None) -> str:
 
 def test_secrets_are_checked_at_start(tmp_path, tiny_llama_dir):
     assert "--admin-key is empty" in _serve_fails(tiny_llama_dir, "--admin-key", "")
+    assert "$INFERD_ADMIN_KEY is set but empty" in _serve_fails(tiny_llama_dir, env={"INFERD_ADMIN_KEY": " "})
+    (tmp_path / "metrics.key").write_text("k\n")
+    assert "not both" in _serve_fails(tiny_llama_dir, "--metrics-key", "k", "--metrics-key-file",
+                                      str(tmp_path / "metrics.key"))
     (tmp_path / "empty").write_text("\n")
     assert "is empty" in _serve_fails(tiny_llama_dir, "--api-key-file", str(tmp_path / "empty"))
     assert "cannot read --api-key-file" in _serve_fails(tiny_llama_dir, "--api-key-file", str(tmp_path / "none"))

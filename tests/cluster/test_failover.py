@@ -154,3 +154,22 @@ def as_stream(choice: dict):
     return Stream(tokens=[int(t.removeprefix("token_id:")) for t in lp["tokens"]], logprobs=lp["token_logprobs"],
                   tops=[{int(k.removeprefix("token_id:")): v for k, v in top.items()} for top in lp["top_logprobs"]],
                   finish_reason=choice["finish_reason"], done=True)
+
+
+def test_in_bf16_with_batch_invariance_a_replay_is_exact(cluster):
+    """bf16 (where a row's numbers depend on its batch and on prefill vs decode) with --batch-invariant: kill -9 of
+    the worker serving half of 8 streams during decode; every stream, greedy and seeded, equals the undisturbed
+    server's token for token and logprob for logprob, with no tolerance at all."""
+    bf16 = ("--dtype", "bfloat16", "--batch-invariant", "--threads", "1")
+    prompts = random_prompts(8, (20, 90), seed=17)
+    requests = bodies(prompts)
+    reference = cluster("--workers", "1", *bf16, name="bf16-reference")
+    ref = asyncio.run(run_all(reference.url, requests))
+    server = cluster("--workers", "2", *bf16, "--max-num-batched-tokens", "64", "--heartbeat-timeout", "1.0",
+                     env={"INFERD_FAULT": "action=crash,phase=decode,step=6,worker=worker-0"}, name="bf16-crash")
+    ours = asyncio.run(run_all(server.url, requests))
+    assert server.metrics().get('inferd_replays_total{reason="worker_lost"}', 0) >= 1, "the fault never hit"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.done and not a.errors and b.done and not b.errors, (a.errors, b.errors)
+        assert a.tokens == b.tokens, f"stream {i}"
+        assert a.logprobs == b.logprobs, f"stream {i}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,32 @@ def test_hash_chain_is_stable_across_processes():
     assert here == other and len(here) == 3
     # chained: the same block content under a different parent hashes differently
     assert hash_block_tokens(None, tokens[16:32]) != hash_prompt_blocks(tokens, 16)[1]
+
+
+def test_prefixes_are_shared_only_under_the_same_salt():
+    """The salt (a tenant's, or its cache group's) starts the chain: what the worker caches and what the router
+    computes agree, and another salt matches nothing, not even the first block."""
+    from inferd.gateway.router import Router
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(1, 14))  # 3 full blocks + 1 token
+
+    def salted(rid, salt):
+        return Request(rid, list(tokens), SamplingParams(max_tokens=4, cache_salt=salt))
+
+    a = salted("a", "tenant-a")
+    assert admit(kv, a)
+    compute_all(kv, a)
+    assert kv.match_prefix(salted("b", "tenant-b")) == []
+    assert kv.match_prefix(req(tokens, "unsalted")) == []
+    assert kv.match_prefix(salted("a2", "tenant-a")) == a.block_ids[:3]
+    assert hash_prompt_blocks(tokens, 4, "tenant-a") == a.block_hashes
+    router = Router()  # what the router computes for affinity (from the attached worker's block size)
+    router.workers.append(SimpleNamespace(hello=SimpleNamespace(kv_block_size=4)))
+    assert router.prompt_hashes(tokens, "tenant-a") == a.block_hashes
+    assert router.prompt_hashes(tokens, "tenant-b")[0] != a.block_hashes[0]
+    kv.free(a)
+    kv.check_no_leaks()
 
 
 def test_allocate_free_and_no_leak():

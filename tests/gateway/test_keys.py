@@ -63,7 +63,22 @@ def test_invalid_files_and_settings_are_errors(tmp_path):
         KeyStore.load(str(path))
     with pytest.raises(ValueError, match="tpm"):
         create_key(str(tmp_path / "k2.json"), "x", tpm=0)
-    assert KeyStore.load(str(tmp_path / "missing.json")).keys == {}
+    assert KeyStore.load(str(tmp_path / "missing.json")).keys == {}  # `keys create` starts from nothing
+    with pytest.raises(ValueError, match="missing"):  # a server's reload: never an empty key set by accident
+        KeyStore.load(str(tmp_path / "missing.json"), missing_ok=False)
+    with pytest.raises(ValueError, match="cache_group"):
+        create_key(str(tmp_path / "k3.json"), "x", cache_group="g" * 257)  # MAX_IDENTIFIER_CHARS
+
+
+def test_the_cache_salt_is_the_tenants_or_its_groups(tmp_path):
+    path = str(tmp_path / "keys.json")
+    salts = {name: create_key(path, name, cache_group=group)[1].cache_salt
+             for name, group in [("a", None), ("b", None), ("c", "g"), ("d", "g"), ("g", None)]}
+    assert salts["c"] == salts["d"]  # one group: one salt
+    assert len(set(salts.values())) == 4  # every other pair differs (a tenant named like a group too)
+    # of fixed length, and no tenant or group name travels to the workers in it
+    assert all(len(s) == 64 and set(s) <= set("0123456789abcdef") for s in salts.values())
+    assert KeyStore.load(path).tenants["c"].cache_salt == salts["c"]  # the group is kept in the file
 
 
 def _inferd(*args: str) -> subprocess.CompletedProcess:
@@ -74,13 +89,15 @@ def _inferd(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(180)
 def test_keys_cli(tmp_path):
     path = str(tmp_path / "keys.json")
-    created = _inferd("keys", "create", "--keys", path, "--tenant", "acme", "--tier", "batch", "--tpm", "5000")
+    created = _inferd("keys", "create", "--keys", path, "--tenant", "acme", "--tier", "batch", "--tpm", "5000",
+                      "--cache-group", "acme-and-friends")
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip()
     assert key.startswith("sk-inferd-") and "\n" not in key  # stdout is the key alone (scripts capture it)
     assert KeyStore.load(path).authenticate(key).tier == "batch"
     listed = _inferd("keys", "list", "--keys", path)
     assert listed.returncode == 0 and "acme" in listed.stdout and "batch" in listed.stdout
+    assert "acme-and-friends" in listed.stdout
     assert key not in listed.stdout and key.split("-")[2] in listed.stdout
     revoked = _inferd("keys", "revoke", "--keys", path, key)
     assert revoked.returncode == 0, revoked.stderr
