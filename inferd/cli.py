@@ -327,20 +327,9 @@ def add_worker_secret_args(p: argparse.ArgumentParser) -> None:
 
 
 def read_worker_secret(args: argparse.Namespace) -> str:
-    """--worker-secret, else --worker-secret-file, else $INFERD_WORKER_SECRET, else "" (none). ValueError on an
-    unreadable or empty file."""
-    if args.worker_secret is not None:
-        return args.worker_secret
-    if args.worker_secret_file is not None:
-        try:
-            with open(args.worker_secret_file) as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read --worker-secret-file: {e}") from None
-        if not secret:
-            raise ValueError(f"--worker-secret-file {args.worker_secret_file} is empty")
-        return secret
-    return os.environ.get(WORKER_SECRET_ENV, "")
+    """--worker-secret, else --worker-secret-file, else $INFERD_WORKER_SECRET, else "" (none); ValueError as
+    read_key."""
+    return read_key(args, "worker_secret", WORKER_SECRET_ENV) or ""
 
 
 def is_loopback(host: str) -> bool:
