@@ -29,6 +29,10 @@ DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
 DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
 # a new connection to a worker must finish the challenge-response handshake within this, or it is closed
 WORKER_HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKE_FRAME_BYTES = 1024  # an `auth` message is ~200 bytes: nobody unauthenticated makes a worker buffer more
+# connections still in their handshake at once; more are closed at once (a connection flood costs a worker this many
+# threads at most, each for WORKER_HANDSHAKE_TIMEOUT_S at most)
+MAX_PENDING_HANDSHAKES = 64
 WORKER_SECRET_ENV = "INFERD_WORKER_SECRET"  # the shared secret of workers and gateways (or --worker-secret[-file])
 CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY")  # never passed on to workers
 MAX_HELLO_STRING = 256  # the longest worker id, model name or version a worker may announce
@@ -107,6 +111,7 @@ MAX_REPLAYS_PER_REQUEST = 8  # a request that loses this many workers ends with 
 WORKER_REGISTRATION_TTL_S = 5.0  # a worker registered in Redis (--register) vanishes this long after its last beat
 WORKER_DISCOVERY_POLL_S = 1.0  # how often `inferd gateway --redis` looks for registered workers
 WORKER_RECONNECT_BACKOFF_S = (0.2, 5.0)  # first and longest pause before a gateway reconnects to a remote worker
+WORKER_STABLE_CONNECTION_S = 10.0  # a connection to a remote worker that lived this long resets the back-off
 PREFIX_AFFINITY_MAX_BLOCKS = 4096  # per worker: prompt-prefix block hashes the router remembers (LRU)
 PREFIX_AFFINITY_MIN_BLOCKS = 1  # full blocks a prompt must share with a worker's cache to prefer that worker
 DEFAULT_AUTOSCALE_WINDOW_S = 30.0  # the autoscaler's token arrival rate is measured over this window

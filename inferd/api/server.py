@@ -219,8 +219,10 @@ def _backend(opts: ServeOptions, router, on_attach):
     if opts.remote:
         from ..cluster.remote import RemoteWorkers
 
+        # workers must serve the model whose tokenizer this gateway loads (named as `inferd worker` names it)
         return RemoteBackend(RemoteWorkers(router, opts.remote_workers, opts.registry_url, opts.heartbeat_timeout,
-                                           on_attach, secret=opts.worker_secret.encode()))
+                                           on_attach, secret=opts.worker_secret.encode(),
+                                           model=default_served_name(opts.model_path)))
     from ..cluster.pool import WorkerPool
 
     return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach,

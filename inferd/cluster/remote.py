@@ -1,10 +1,12 @@
 """Workers on other machines: `inferd gateway --worker HOST:PORT` (a fixed list) or `--redis URL` (workers that
 registered themselves with `inferd worker --register URL`).
 
-A RemoteWorker keeps one connection to its worker: it connects (retrying with back-off while the worker is not up),
-attaches the client to the router, and reconnects when the connection dies. Nobody here can kill a remote worker,
-so a silent one is given up (its streams move) but its connection is kept: if it speaks again it takes work again
-and whatever it still sends for the given-up streams is dropped by epoch (see WorkerClient).
+A RemoteWorker keeps one connection to its worker: it connects (retrying with back-off while the worker is not up,
+refuses us, or announces another model than the one this gateway serves), attaches the client to the router, and
+reconnects (backing off again) when the connection dies. Nobody here can kill a remote worker, so a silent one is
+given up (its streams move) but its connection is kept: if it speaks again it takes work again and whatever it still
+sends for the given-up streams is dropped by epoch (see WorkerClient). Registry entries announcing another model are
+not even connected to.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ import asyncio
 import contextlib
 import logging
 
-from ..config import DEFAULT_HEARTBEAT_TIMEOUT, WORKER_DISCOVERY_POLL_S, WORKER_RECONNECT_BACKOFF_S
-
-STABLE_CONNECTION_S = 10.0  # a connection that lived this long resets the reconnect back-off
+from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, WORKER_DISCOVERY_POLL_S, WORKER_RECONNECT_BACKOFF_S,
+                      WORKER_STABLE_CONNECTION_S)
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 
@@ -30,11 +31,30 @@ def parse_address(text: str, allow_any_port: bool = False) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class Backoff:
+    """Pauses that double from first up to longest (WORKER_RECONNECT_BACKOFF_S); reset() starts over."""
+
+    def __init__(self, first: float, longest: float):
+        self.first, self.longest = first, longest
+        self.current = first
+
+    def next(self) -> float:
+        """The pause to take now (the next one doubles, up to longest)."""
+        pause = self.current
+        self.current = min(self.current * 2, self.longest)
+        return pause
+
+    def reset(self) -> None:
+        self.current = self.first
+
+
 class RemoteWorker:
     def __init__(self, address: str, router: Router, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 on_attach=None, secret: bytes = b""):
+                 on_attach=None, secret: bytes = b"", model: str | None = None):
+        """model: the name a worker must announce to be attached (the model this gateway serves); None: any."""
         self.address = address
         self.secret = secret
+        self.model = model
         self.host, self.port = parse_address(address)
         self.router = router
         self.heartbeat_timeout = heartbeat_timeout
@@ -49,25 +69,23 @@ class RemoteWorker:
     async def _run(self) -> None:
         """Connects, attaches, waits for the end, again; every retry backs off (a worker that refuses us, or whose
         connections keep dropping, is never hammered), reset once a connection has lived a while."""
-        first, longest = WORKER_RECONNECT_BACKOFF_S
-        backoff = first
+        backoff = Backoff(*WORKER_RECONNECT_BACKOFF_S)
         loop = asyncio.get_running_loop()
         while True:
             try:
                 client = await WorkerClient.connect(self.host, self.port, self.heartbeat_timeout,
                                                     close_on_silence=False, secret=self.secret)
-                problem = self.router.incompatibility(client.hello)
             except WorkerDead as e:
-                log.log(logging.WARNING if "secret" in str(e) else logging.DEBUG, "worker %s not reachable: %s",
-                        self.address, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, longest)
+                # not up (yet) is routine; refused by the handshake or a malformed hello is worth a warning
+                log.log(logging.DEBUG if "cannot connect" in str(e) else logging.WARNING,
+                        "worker %s not reachable: %s", self.address, e)
+                await asyncio.sleep(backoff.next())
                 continue
+            problem = self.incompatibility(client.hello)
             if problem is not None:
                 log.error("not attaching the worker at %s: %s", self.address, problem)
                 await client.close()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, longest)
+                await asyncio.sleep(backoff.next())
                 continue
             attached_at = loop.time()
             self.client = client
@@ -79,11 +97,18 @@ class RemoteWorker:
             reason = await client.wait_dead()
             self.connected.clear()
             self.router.detach(client, f"the worker at {self.address} was lost ({reason})")
-            if loop.time() - attached_at > STABLE_CONNECTION_S:
-                backoff = first
-            log.error("worker %s lost: %s; reconnecting in %.1f s", self.address, reason, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, longest)
+            if loop.time() - attached_at > WORKER_STABLE_CONNECTION_S:
+                backoff.reset()
+            pause = backoff.next()
+            log.error("worker %s lost: %s; reconnecting in %.1f s", self.address, reason, pause)
+            await asyncio.sleep(pause)
+
+    def incompatibility(self, hello) -> str | None:
+        """Why this worker may not serve here (None: it may): another model than this gateway's, or one the router
+        finds incompatible with the workers attached (vocabulary, stop tokens)."""
+        if self.model is not None and hello.model != self.model:
+            return f"it serves the model {hello.model!r}, this gateway {self.model!r}"
+        return self.router.incompatibility(hello)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -99,9 +124,13 @@ class RemoteWorkers:
     """The gateway's remote workers: a fixed list, and those registered in Redis (polled)."""
 
     def __init__(self, router: Router, addresses: list[str], registry_url: str | None = None,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: bytes = b""):
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: bytes = b"",
+                 model: str | None = None):
+        """model: the model this gateway serves: a worker announcing another one is not attached (None: any)."""
         self.router = router
         self.secret = secret
+        self.model = model
+        self._other_models: set[str] = set()  # registered workers of another model (logged once each)
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
         self.registry_url = registry_url
@@ -131,7 +160,7 @@ class RemoteWorkers:
             self.router.on_change.remove(attached.set)
 
     def _add(self, address: str) -> None:
-        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret)
+        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret, self.model)
         self.workers[address] = worker
         worker.start()
 
@@ -145,7 +174,8 @@ class RemoteWorkers:
                 log.warning("worker discovery failed: %s", e)
                 found = None
             if found is not None:
-                addresses = {entry["address"] for entry in found.values()}
+                addresses = {entry["address"] for entry in found.values() if self._serves_our_model(entry)}
+                self._other_models &= set(found)  # forget the ones gone (logged again if they come back)
                 for address in addresses - set(self.workers):
                     log.info("discovered worker at %s", address)
                     self._add(address)
@@ -155,6 +185,18 @@ class RemoteWorkers:
                         del self.workers[address]
                         await worker.stop()
             await asyncio.sleep(WORKER_DISCOVERY_POLL_S)
+
+    def _serves_our_model(self, entry: dict) -> bool:
+        """A registry may hold the workers of several models (each with its gateways): only ours are connected to.
+        An entry without a model is connected to, and its hello decides."""
+        model = entry.get("model")
+        if self.model is None or not model or model == self.model:
+            return True
+        if entry["worker_id"] not in self._other_models:
+            self._other_models.add(entry["worker_id"])
+            log.info("not connecting to the registered worker %s at %s: it serves %r, this gateway %r",
+                     entry["worker_id"], entry["address"], model, self.model)
+        return False
 
     async def stop(self) -> None:
         if self._discovery is not None:

@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,23 +146,30 @@ def decode_message(body: bytes, known_types: frozenset[str]) -> dict[str, Any]:
     return message
 
 
-def read_frame(sock: socket.socket) -> bytes | None:
-    """Blocking read of one frame body from a socket; None on a clean end of stream between frames."""
-    header = _recv_exactly(sock, _LENGTH.size)
+def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, deadline: float | None = None) -> bytes | None:
+    """Blocking read of one frame body from a socket; None on a clean end of stream between frames. deadline (a
+    time.monotonic() value): the whole frame must have arrived by then (TimeoutError otherwise), however slowly its
+    bytes trickle in; the socket's timeout is changed to get there."""
+    header = _recv_exactly(sock, _LENGTH.size, deadline)
     if header is None:
         return None
     (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit", fatal=True)
-    body = _recv_exactly(sock, length)
+    if length > max_bytes:
+        raise ProtocolError(f"frame of {length} bytes is over the {max_bytes}-byte limit", fatal=True)
+    body = _recv_exactly(sock, length, deadline)
     if body is None:
         raise ProtocolError("connection closed in the middle of a frame", fatal=True)
     return body
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the frame did not arrive in time")
+            sock.settimeout(remaining)
         chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
             if got:

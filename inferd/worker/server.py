@@ -2,10 +2,11 @@
 at once, each with its own requests.
 
 Threads: the main thread accepts connections; one thread per connection runs the handshake (the challenge-response
-of inferd/worker/protocol.py, by the shared secret, within WORKER_HANDSHAKE_TIMEOUT_S: a port scan, a TCP probe or a
-client without the secret is closed and touches nothing), then parses frames and hands requests to the EngineLoop;
-the EngineLoop thread steps the engine; a heartbeat thread sends `heartbeat` to every connection every interval
-whatever the engine is doing, so a long step never looks like death. Whole frames are written under a
+of inferd/worker/protocol.py, by the shared secret, within WORKER_HANDSHAKE_TIMEOUT_S for the whole auth frame of at
+most MAX_HANDSHAKE_FRAME_BYTES: a port scan, a TCP probe or a client without the secret is closed and touches nothing;
+beyond MAX_PENDING_HANDSHAKES at once, new connections are closed unread), then parses frames and hands requests to
+the EngineLoop; the EngineLoop thread steps the engine; a heartbeat thread sends `heartbeat` to every connection
+every interval whatever the engine is doing, so a long step never looks like death. Whole frames are written under a
 per-connection lock, from whichever thread. A connection that closes aborts its own requests only.
 
 Lifecycle: prints `READY tcp://HOST:PORT` once it accepts connections. SIGTERM/SIGINT: abort what runs, send the
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-from ..config import DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
+from ..config import (DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, MAX_HANDSHAKE_FRAME_BYTES,
+                      MAX_PENDING_HANDSHAKES, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig)
 from ..engine import Engine, InvalidRequestError
 from .engine_loop import EngineLoop
 from .faults import FaultInjector
@@ -108,6 +110,8 @@ class WorkerServer:
         self._conns: set[Connection] = set()  # authenticated connections (heartbeats go to each)
         self._conns_lock = threading.Lock()
         self.num_refused = 0  # connections closed for failing the handshake
+        self._handshaking = 0  # connections in their handshake now (at most MAX_PENDING_HANDSHAKES)
+        self.num_turned_away = 0  # connections closed unread because too many were in their handshake
         self._shutdown = threading.Event()
         self._heartbeat_seq = itertools.count(1)
 
@@ -141,41 +145,66 @@ class WorkerServer:
 
     # ---- connections ----------------------------------------------------------------------------------------
     def _adopt(self, sock: socket.socket, address: Any) -> None:
+        with self._conns_lock:
+            full = self._handshaking >= MAX_PENDING_HANDSHAKES
+            if not full:
+                self._handshaking += 1
+        if full:  # a flood of connections: turned away before it costs a thread (gateways retry with back-off)
+            sock.close()
+            self.num_turned_away += 1
+            if (self.num_turned_away & (self.num_turned_away - 1)) == 0:  # logged at 1, 2, 4, ...: floods no log
+                log.warning("closed a connection from %s at once: %d others are still in their handshake (%d turned "
+                            "away so far)", address, MAX_PENDING_HANDSHAKES, self.num_turned_away)
+            return
         sock.settimeout(None)
         conn = Connection(sock, address)
         threading.Thread(target=self._serve_connection, args=(conn,), name="inferd-conn-reader", daemon=True).start()
 
     def _serve_connection(self, conn: Connection) -> None:
-        if not self._handshake(conn):
+        authenticated = False
+        try:
+            authenticated = self._handshake(conn)
+        finally:
+            with self._conns_lock:
+                self._handshaking -= 1
+                if authenticated:
+                    self._conns.add(conn)
+        if not authenticated:
             self.num_refused += 1
             conn.release()
             return
-        with self._conns_lock:
-            self._conns.add(conn)
         log.info("connection from %s authenticated (%d open)", conn.address, len(self._conns))
         self._read(conn)
 
     def _handshake(self, conn: Connection) -> bool:
         """challenge -> auth (checked) -> hello with the worker's own proof. False (nothing sent after the
-        challenge) when the client does not answer in time, answers anything else, or does not know the secret."""
+        challenge) when the client does not answer in time (the whole frame, however it trickles in), answers
+        anything else or more than an auth message, or does not know the secret."""
         nonce = new_nonce()
         conn.send(challenge_message(nonce))
-        message = None
+        message, problem = None, None  # None and no message: it closed the connection without a word
         try:
-            conn.sock.settimeout(self.handshake_timeout)
-            body = read_frame(conn.sock)
+            body = read_frame(conn.sock, MAX_HANDSHAKE_FRAME_BYTES, time.monotonic() + self.handshake_timeout)
             if body is not None:
                 message = decode_message(body, frozenset({AUTH}))
-        except (ProtocolError, OSError, ValueError):
-            message = None
+        except TimeoutError:
+            problem = f"no auth message within {self.handshake_timeout:g} s"
+        except (ProtocolError, OSError, ValueError) as e:
+            problem = str(e)
         finally:
             with contextlib.suppress(OSError):
                 conn.sock.settimeout(None)
-        client_nonce = message.get("nonce") if message is not None else None
-        if not valid_nonce(client_nonce) or not proof_matches(client_proof(self.secret, nonce, client_nonce),
-                                                              message.get("proof")):
-            log.warning("connection from %s failed the handshake (no answer, or not the shared secret): closed",
-                        conn.address)
+        if message is not None:
+            client_nonce = message.get("nonce")
+            problem = "an auth message without a valid nonce" if not valid_nonce(client_nonce) else None
+            if problem is None and not proof_matches(client_proof(self.secret, nonce, client_nonce),
+                                                     message.get("proof")):
+                problem = "its proof does not match: it does not know the shared secret"
+        if message is None and problem is None:  # a port scan or a TCP probe: routine, not worth a warning
+            log.debug("connection from %s closed before the handshake", conn.address)
+            return False
+        if problem is not None:
+            log.warning("connection from %s failed the handshake (%s): closed", conn.address, problem)
             return False
         hello = self.hello.to_wire()  # before heartbeats can reach it: hello is the first frame after the handshake
         hello["proof"] = worker_proof(self.secret, nonce, client_nonce)

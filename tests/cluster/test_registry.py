@@ -4,6 +4,9 @@ them, and forgets one that left."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 import signal
 
@@ -11,8 +14,12 @@ import httpx
 import pytest
 from cluster_util import versions, wait_for
 import redis
+import redis.asyncio as aioredis
 from remote_workers import start_worker
 from servers import kill_group
+
+from inferd.config import MAX_HELLO_STRING
+from inferd.worker.registry import KEY_PREFIX, discover
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,6 +46,60 @@ def test_gateway_finds_registered_workers(cluster, redis_url, tiny_llama_dir, tm
         r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "reg-b"
+    finally:
+        for w in workers:
+            kill_group(w.proc)
+
+
+def test_malformed_registrations_are_skipped_and_logged(redis_url, caplog):
+    """Every entry is validated: one that is not what a worker writes is skipped (and logged), the others found."""
+    good = {"address": "127.0.0.1:9000", "worker_id": "good", "model": "m", "version": "v1"}
+    bad = {"junk": b"{not json", "binary": b"\xff\xfe", "a-list": b"[1, 2]", "no-address": {"worker_id": "x"},
+           "bad-address": {**good, "address": "nowhere"}, "port-0": {**good, "address": "h:0"},
+           "id-not-a-string": {**good, "worker_id": 5}, "model-not-a-string": {**good, "model": 7},
+           "id-too-long": {**good, "worker_id": "w" * (MAX_HELLO_STRING + 1)}}
+
+    async def main():
+        store = aioredis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/7")
+        try:
+            await store.flushdb()
+            await store.set(KEY_PREFIX + "good", json.dumps(good))
+            for name, value in bad.items():
+                await store.set(KEY_PREFIX + name, value if isinstance(value, bytes) else json.dumps(value))
+            await store.sadd(KEY_PREFIX + "a-set", "x")  # another Redis type under our prefix
+            return await discover(store)
+        finally:
+            await store.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="inferd.worker"):
+        found = asyncio.run(main())
+    assert found == {"good": good}
+    logged = caplog.text
+    for name in [*bad, "a-set"]:
+        assert KEY_PREFIX + name in logged, name
+
+
+def test_a_worker_of_another_model_is_not_attached(cluster, redis_url, tiny_llama_dir, tmp_path):
+    """A gateway serves one model: a worker announcing another (given with --worker, or registered) is not attached,
+    and said so in the log; the gateway serves through the worker of its own model."""
+    db = redis_url.rsplit("/", 1)[0] + "/8"
+    redis.Redis.from_url(db).flushdb()
+    other = tmp_path / "other-model"  # the same files under another name: only the announced name differs
+    other.symlink_to(tiny_llama_dir, target_is_directory=True)
+    ours = start_worker(tmp_path, tiny_llama_dir, "ours", "--echo")
+    workers = [ours, start_worker(tmp_path, other, "given", "--echo"),
+               start_worker(tmp_path, other, "registered", "--echo", "--register", db)]
+    try:
+        gateway = cluster("--worker", ours.address, "--worker", workers[1].address, "--redis", db, command="gateway",
+                          name="model-gateway")
+        wait_for(lambda: f"not attaching the worker at {workers[1].address}: it serves the model 'other-model'"
+                 in gateway.log())
+        wait_for(lambda: "not connecting to the registered worker registered" in gateway.log())
+        assert versions(gateway) == {"v1": 1}
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "ours"
+        assert "authenticated" not in workers[2].log_path.read_text()  # never even connected to
     finally:
         for w in workers:
             kill_group(w.proc)

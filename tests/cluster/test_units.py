@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from inferd.cluster.pool import spread_devices
-from inferd.cluster.remote import parse_address
+from inferd.cluster.remote import Backoff, parse_address
+from inferd.config import WORKER_RECONNECT_BACKOFF_S
 from inferd.engine.kv_cache import hash_prompt_blocks
 from inferd.gateway.router import PrefixIndex, Router
 from inferd.worker.faults import FaultInjector, FaultSpec, InjectedFault, step_phase
@@ -112,6 +113,17 @@ def test_worker_addresses():
     for bad in ("host", "host:0", "host:99999", ":80"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+def test_reconnects_back_off_exponentially_up_to_a_cap_and_start_over_after_a_reset():
+    first, longest = WORKER_RECONNECT_BACKOFF_S
+    backoff = Backoff(first, longest)
+    pauses = [backoff.next() for _ in range(12)]
+    assert pauses[0] == first and pauses[1] == 2 * first
+    assert all(b == min(2 * a, longest) for a, b in zip(pauses, pauses[1:]))
+    assert pauses[-1] == longest  # capped: a refusing worker is retried every `longest` seconds, never faster
+    backoff.reset()
+    assert backoff.next() == first
 
 
 def test_local_workers_spread_over_the_gpus():

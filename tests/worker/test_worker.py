@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -16,7 +17,7 @@ import pytest
 import torch
 from parity import Reference, assert_greedy_parity
 
-from inferd.config import WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
+from inferd.config import MAX_HANDSHAKE_FRAME_BYTES, MAX_PENDING_HANDSHAKES, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
 from inferd.engine import Engine, InvalidRequestError, SamplingParams
 from inferd.models.build import load_model
 from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead, WorkerUnavailable
@@ -229,6 +230,80 @@ def test_the_handshake_keeps_out_what_does_not_know_the_secret(spawn_worker, pro
     rest = asyncio.run(main())
     assert rest[-1].finished and rest[-1].num_output_tokens == 300  # the authenticated stream never noticed
     assert "failed the handshake" in proc.log()
+
+
+def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_time(spawn_worker):
+    """Before the handshake nobody can make a worker buffer more than an auth message (a longer frame is refused at
+    its length), keep a connection past the handshake deadline by trickling bytes, or hold more than
+    MAX_PENDING_HANDSHAKES connection threads (a flood: the rest are closed unread); an authenticated client is
+    served throughout, and once the flood is gone new clients get in."""
+    proc = spawn_worker("--echo", "--heartbeat-interval", "0.1")
+
+    def closed_by_worker(sock: socket.socket, wait: float) -> bool:
+        """After the challenge a worker says nothing to an unauthenticated connection: readable means closed."""
+        if not select.select([sock], [], [], wait)[0]:
+            return False
+        try:
+            return sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+    def oversize() -> None:
+        raw = RawConnection(proc.host, proc.port, secret=None)
+        raw.sock.sendall(struct.pack(">I", MAX_HANDSHAKE_FRAME_BYTES + 1))
+        assert closed_by_worker(raw.sock, 60)
+        raw.close()
+
+    def flood() -> list[RawConnection]:
+        pending = [RawConnection(proc.host, proc.port, secret=None) for _ in range(MAX_PENDING_HANDSHAKES)]
+        extra = socket.create_connection((proc.host, proc.port), timeout=30)
+        assert closed_by_worker(extra, 30)  # turned away: not even a challenge
+        extra.close()
+        return pending
+
+    def trickle() -> int:
+        """Sends an auth frame's body a byte at a time; returns how many bytes went before the worker closed."""
+        raw = RawConnection(proc.host, proc.port, secret=None)
+        raw.sock.sendall(struct.pack(">I", MAX_HANDSHAKE_FRAME_BYTES))
+        sent = 0
+        try:
+            while sent < MAX_HANDSHAKE_FRAME_BYTES and not closed_by_worker(raw.sock, 0.2):
+                raw.sock.sendall(b" ")
+                sent += 1
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw.close()
+        return sent
+
+    async def connect_once_room() -> WorkerClient:
+        for _ in range(200):  # the flood's threads end as they read our closes: wait for that, not for a time
+            try:
+                return await WorkerClient.connect(proc.host, proc.port)
+            except WorkerDead:
+                await asyncio.sleep(0.05)
+        raise AssertionError("no room for a new connection after the flood left")
+
+    async def main():
+        async with await WorkerClient.connect(proc.host, proc.port) as client:
+            await asyncio.to_thread(oversize)
+            pending = await asyncio.to_thread(flood)
+            out = await asyncio.wait_for(collect(client, "during-flood", [5, 6, 7], greedy(8)), 30)
+            assert tokens(out) == [5, 6, 7, 5, 6, 7, 5, 6]  # the echo worker's answer
+            for raw in pending:
+                raw.close()
+            async with await connect_once_room() as late:
+                out = await asyncio.wait_for(collect(late, "after-flood", [8, 9], greedy(3)), 30)
+                assert tokens(out) == [8, 9, 8]
+            sent = await asyncio.to_thread(trickle)
+            await asyncio.wait_for(client.ping(), 30)
+            return sent
+
+    sent = asyncio.run(main())
+    assert sent < MAX_HANDSHAKE_FRAME_BYTES  # closed at the handshake deadline, not when the frame was complete
+    log = proc.log()
+    assert f"over the {MAX_HANDSHAKE_FRAME_BYTES}-byte limit" in log
+    assert "others are still in their handshake" in log
+    assert f"no auth message within {WORKER_HANDSHAKE_TIMEOUT_S:g} s" in log
 
 
 async def collect_rest(stream) -> list:
