@@ -1,8 +1,11 @@
-"""Token-for-token comparison with Hugging Face transformers, by the exactness rule of DEVELOPERS.md.
+"""The exactness rule of the suite (the one implementation every test that compares tokens uses), and token-for-token
+comparison with Hugging Face transformers by it.
 
 Greedy: our tokens must equal the reference; a divergence is accepted only at a position where the reference's
 top-2 logit gap is below max(1e-3, 10x the largest logit difference seen on the positions matched before it),
-i.e. where the choice was a near-tie. Nothing after that position can be compared. Never fewer tokens.
+i.e. where the choice was a near-tie (`greedy_divergence`). Seeded sampling: only where the position's uniform draw
+lies within 1e-3 of a boundary of the CDF of the filtered distribution (`near_cdf_boundary`). Nothing after the
+first divergence can be compared. Never fewer tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -68,20 +72,49 @@ def greedy_prefix_parity(ours: list[int], our_logits: list[torch.Tensor] | None,
                          label: str = "") -> int:
     """The greedy exactness rule over the positions both have (ours may be shorter: a stop ended it). Returns the
     number of positions compared exactly: all of them, or the position of an accepted near-tie divergence."""
+    diff_at = None if our_logits is None else \
+        (lambda i: float((our_logits[i] - torch.from_numpy(ref.logits[i])).abs().max()))
+    return greedy_divergence(ours, ref.tokens, lambda i: top2_gap(ref.logits[i]), diff_at, label)
+
+
+def top2_gap(scores) -> float:
+    """The gap between the two largest of a position's logits (or logprobs: the same gap): a tensor, an array or a
+    list."""
+    row = scores.float() if isinstance(scores, torch.Tensor) else torch.from_numpy(np.asarray(scores, np.float32))
+    top2 = torch.topk(row.flatten(), 2).values
+    return float(top2[0] - top2[1])
+
+
+def greedy_divergence(ours: list[int], ref: list[int], gap_at: Callable[[int], float],
+                      diff_at: Callable[[int], float] | None = None, label: str = "") -> int:
+    """The greedy exactness rule over the positions both have: at the first position i where they differ,
+    gap_at(i) (the reference's top-2 logit gap there) must be below max(1e-3, 10x the largest diff_at(j) over the
+    matched positions j < i), diff_at(j) being how far our logits (or logprobs) were from the reference's at j (None:
+    not known, taken as 0). Returns the number of positions compared exactly: min(len(ours), len(ref)), or i."""
     max_diff = 0.0
-    for i, (a, b) in enumerate(zip(ours, ref.tokens)):
+    for i, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
-            row = torch.from_numpy(ref.logits[i])
-            top2 = torch.topk(row, 2).values
-            gap = float(top2[0] - top2[1])
+            gap = gap_at(i)
             allowed = max(1e-3, 10 * max_diff)
             assert gap < allowed, (
                 f"{label}: token {i} is {a}, reference {b}; reference top-2 gap {gap:.3g} is no near-tie "
                 f"(allowed {allowed:.3g}; max logit diff so far {max_diff:.3g})")
             return i
-        if our_logits is not None:
-            max_diff = max(max_diff, float((our_logits[i] - torch.from_numpy(ref.logits[i])).abs().max()))
-    return min(len(ours), len(ref.tokens))
+        if diff_at is not None:
+            max_diff = max(max_diff, diff_at(i))
+    return min(len(ours), len(ref))
+
+
+def near_cdf_boundary(logits: torch.Tensor, params, seed: int, position: int) -> bool:
+    """The seeded-sampling exactness rule at one position: True when the uniform draw of (seed, position) lies within
+    1e-3 of a boundary of the CDF of the distribution the sampler draws from (logits filtered by params), i.e. where
+    a last-bit difference in the logits may legitimately pick the neighbouring token."""
+    from inferd.engine.sampler import filtered_sorted_probs, uniform_draw
+
+    probs, _ = filtered_sorted_probs(logits, params)
+    cdf = torch.cumsum(probs, 0)
+    u = uniform_draw(seed, position)
+    return float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3
 
 
 def assert_sampling_match(a: list[int], b: list[int], logits: list[torch.Tensor], params, seed: int,
@@ -89,15 +122,11 @@ def assert_sampling_match(a: list[int], b: list[int], logits: list[torch.Tensor]
     """Exactness rule for seeded sampling: a divergence only where the uniform draw lies within 1e-3 of a CDF
     boundary of the filtered distribution (logits: b's, the reference's; start: the position of a[0] in the
     sequence). Returns the number of positions compared exactly."""
-    from inferd.engine.sampler import filtered_sorted_probs, uniform_draw
-
     assert len(a) == len(b), f"{label}: {len(a)} tokens, reference has {len(b)}"
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            probs, _ = filtered_sorted_probs(logits[i], params)
-            cdf = torch.cumsum(probs, 0)
-            u = uniform_draw(seed, start + i)
-            assert float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3, f"{label}: position {i}: {x} != {y}"
+            assert near_cdf_boundary(logits[i], params, seed, start + i), \
+                f"{label}: position {i}: {x} != {y} with a draw far from any CDF boundary"
             return i
     return len(a)
 

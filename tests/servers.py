@@ -146,16 +146,43 @@ def kill_group(proc: subprocess.Popen) -> None:
 def sse_data(body: bytes | str | list[str]) -> list:
     """The data of each event of an SSE body (or of its lines), in order, through the load generator's parser
     (inferd/bench/loadgen.py, tested on its own): JSON objects parsed, "[DONE]" kept as the string; keep-alive
-    comments skipped. The one SSE reader of the suite's checks."""
-    import json
-
+    comments skipped. The one SSE reader of the suite's checks (iter_sse/aiter_sse: the same, as events arrive)."""
     from inferd.bench.loadgen import SSEParser
 
     if isinstance(body, list):  # lines without their blank separators (aiter_lines, empty ones dropped)
         body = "\n\n".join(body) + "\n\n"
     parser = SSEParser()
     events = parser.feed(body.encode() if isinstance(body, str) else body) + parser.close()
-    return [e if e == "[DONE]" else json.loads(e) for e in events]
+    return [_sse_event(e) for e in events]
+
+
+def iter_sse(response: httpx.Response):
+    """The events of a streaming httpx response (`with client.stream(...) as response`) as they arrive, each as
+    sse_data gives it."""
+    from inferd.bench.loadgen import SSEParser
+
+    parser = SSEParser()
+    for chunk in response.iter_bytes():
+        yield from map(_sse_event, parser.feed(chunk))
+    yield from map(_sse_event, parser.close())
+
+
+async def aiter_sse(response: httpx.Response):
+    """iter_sse for an httpx.AsyncClient's streaming response."""
+    from inferd.bench.loadgen import SSEParser
+
+    parser = SSEParser()
+    async for chunk in response.aiter_bytes():
+        for event in parser.feed(chunk):
+            yield _sse_event(event)
+    for event in parser.close():
+        yield _sse_event(event)
+
+
+def _sse_event(data: str):
+    import json
+
+    return data if data == "[DONE]" else json.loads(data)
 
 
 # ---- Redis (the shared rate limiter) ---------------------------------------------------------------------------

@@ -142,13 +142,15 @@ class EngineLoop:
             self.step_started_at = None
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
-        """The requests the failed step ran (its schedule's; before it scheduled: the running ones) are stopped,
-        their KV blocks freed, their clients told; waiting requests and other clients' outputs carry on."""
+        """The requests the failed step ran (its schedule's; when it failed before scheduling: the running ones, or
+        the waiting ones when none ran) are stopped, their KV blocks freed, their clients told; the other requests
+        and other clients' outputs carry on."""
         sched = getattr(self.engine, "last_schedule", None)
+        scheduler = self.engine.scheduler
         if sched is not None:
             in_step = {s.request.request_id for s in sched.scheduled}
-        else:
-            in_step = {r.request_id for r in self.engine.scheduler.running}
+        else:  # it failed before scheduling: the step would have run the running requests, or else admitted waiters
+            in_step = {r.request_id for r in scheduler.running or scheduler.waiting}
         for request_id in in_step:
             self.engine.abort(request_id)
             dispatch = self._dispatches.pop(request_id, None)

@@ -1,10 +1,11 @@
-"""The offline engine as the reference for what a server returns, compared by the exactness rule of
-DEVELOPERS.md: tokens must be equal; a divergence is accepted only at a position where the offline run's top-2 logit
-gap is below max(1e-3, 10x the largest logprob difference seen between the two runs on the matched positions)."""
+"""The offline engine as the reference for what a server returns, compared by the exactness rule (tests/parity.py):
+tokens must be equal; a divergence is accepted only at a position where the offline run's top-2 logit gap is below
+max(1e-3, 10x the largest logprob difference seen between the two runs on the matched positions)."""
 
 from __future__ import annotations
 
 import torch
+from parity import greedy_divergence, top2_gap
 
 from inferd.engine import SamplingParams
 
@@ -28,16 +29,8 @@ def assert_same_greedy(served: list[int], served_logprobs: list[float], offline:
         assert len(served) <= len(offline), f"{label}: served {len(served)} tokens, offline {len(offline)}"
     else:
         assert len(served) == len(offline), f"{label}: served {len(served)} tokens, offline {len(offline)}"
-    max_diff = 0.0
-    for i, (a, b) in enumerate(zip(served, offline)):
-        row = offline_logits[i].float()
-        if a != b:
-            top2 = torch.topk(row, 2).values
-            gap = float(top2[0] - top2[1])
-            allowed = max(1e-3, 10 * max_diff)
-            assert gap < allowed, (f"{label}: token {i} is {a}, offline {b}; offline top-2 gap {gap:.3g} is no "
-                                   f"near-tie (allowed {allowed:.3g})")
-            return i
-        offline_logprob = float(torch.log_softmax(row, dim=-1)[b])
-        max_diff = max(max_diff, abs(served_logprobs[i] - offline_logprob))
-    return len(served)
+    def logprob_diff(i: int) -> float:
+        offline_logprob = float(torch.log_softmax(offline_logits[i].float(), dim=-1)[offline[i]])
+        return abs(served_logprobs[i] - offline_logprob)
+
+    return greedy_divergence(served, offline, lambda i: top2_gap(offline_logits[i]), logprob_diff, label)

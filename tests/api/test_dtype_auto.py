@@ -44,6 +44,7 @@ def bf16_server(tmp_path_factory):
 
 def test_a_bf16_server_serves_chat_and_streams(bf16_server):
     server = bf16_server
+    assert httpx.get(server.url + "/ready", timeout=10).status_code == 200
     # the KV pool holds bf16 values: twice the blocks fp32 would give in the same bytes
     blocks = server.wait_metrics(lambda m: m.get('inferd_kv_blocks_total{model="smollm2-auto"}', 0) > 0)[
         'inferd_kv_blocks_total{model="smollm2-auto"}']
@@ -63,5 +64,8 @@ def test_a_bf16_server_serves_chat_and_streams(bf16_server):
             finish = chunk.choices[0].finish_reason or finish
     assert "".join(pieces) == choice.message.content  # greedy: the same text streamed as in one piece
     assert finish == choice.finish_reason
-    m = httpx.get(server.url + "/metrics").text
-    assert 'inferd_request_finished_total{finish_reason="' in m
+    # /metrics counted both generations and their tokens (waited for: counted as the gateway settles them)
+    finished = f'inferd_request_finished_total{{finish_reason="{choice.finish_reason}"}}'
+    m = server.wait_metrics(lambda m: m.get(finished, 0) >= 2)
+    assert m[finished] == 2 and m["inferd_generation_tokens_total"] == 2 * reply.usage.completion_tokens
+    assert m['inferd_kv_blocks_total{model="smollm2-auto"}'] == blocks

@@ -4,11 +4,11 @@ offline result (tiny model)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import httpx
 from offline import assert_same_greedy, offline_greedy, token_ids
+from servers import sse_data
 
 NUM_STREAMS = 32
 MAX_TOKENS = 20
@@ -18,12 +18,9 @@ def parse_sse(body: bytes) -> list[dict | str]:
     """Events of an SSE body, checking the framing: every event is one `data: ` line followed by a blank line, the
     last is `[DONE]`, nothing else is sent."""
     assert body.endswith(b"\n\n"), body[-80:]
-    events = body[:-2].split(b"\n\n")
-    out = []
-    for raw in events:
+    for raw in body[:-2].split(b"\n\n"):
         assert raw.startswith(b"data: ") and b"\n" not in raw, raw[:200]
-        payload = raw[len(b"data: "):]
-        out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    out = sse_data(body)
     assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
     return out[:-1]
 

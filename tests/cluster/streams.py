@@ -1,5 +1,5 @@
 """Streams as a client sees them (token ids, their logprobs, arrival times, errors), and their comparison with the
-same request on an undisturbed server by the exactness rule of DEVELOPERS.md:
+same request on an undisturbed server by the exactness rule (tests/parity.py):
 
 - greedy: a divergence is accepted only at a position where the reference's top-2 logprob gap (= logit gap) is below
   max(1e-3, 10x the largest logprob difference seen on the positions matched before it);
@@ -12,15 +12,15 @@ Nothing after the first divergence can be compared; never fewer tokens.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import torch
+from parity import assert_sampling_match, greedy_divergence, top2_gap
+from servers import aiter_sse
 
 from inferd.engine.request import SamplingParams
-from inferd.engine.sampler import filtered_sorted_probs, uniform_draw
 
 TOP = 20  # logprobs asked for: the whole filtered distribution when top_k <= 20
 
@@ -57,27 +57,30 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         out.headers = dict(response.headers)
         assert response.status_code == 200, (response.status_code, await response.aread())
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
+        async for chunk in aiter_sse(response):
+            if chunk == "[DONE]":
                 out.done = True
                 break
-            chunk = json.loads(data)
             if "error" in chunk:
                 out.errors.append(chunk["error"])
                 continue
             choice = chunk["choices"][0]
-            lp = choice.get("logprobs")
-            if lp and lp["tokens"]:
+            if choice.get("logprobs") and choice["logprobs"]["tokens"]:
                 out.arrivals.append(time.monotonic())
-                for tok, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-                    out.tokens.append(int(tok.removeprefix("token_id:")))
-                    out.logprobs.append(logprob)
-                    out.tops.append({int(k.removeprefix("token_id:")): v for k, v in top.items()})
-            if choice.get("finish_reason"):
-                out.finish_reason = choice["finish_reason"]
+            add_choice(out, choice)
+    return out
+
+
+def add_choice(out: Stream, choice: dict) -> Stream:
+    """Adds a completion choice's (or a streamed chunk's) tokens, logprobs and finish reason to out."""
+    lp = choice.get("logprobs")
+    if lp and lp["tokens"]:
+        for tok, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            out.tokens.append(int(tok.removeprefix("token_id:")))
+            out.logprobs.append(logprob)
+            out.tops.append({int(k.removeprefix("token_id:")): v for k, v in top.items()})
+    if choice.get("finish_reason"):
+        out.finish_reason = choice["finish_reason"]
     return out
 
 
@@ -93,28 +96,19 @@ def assert_same_stream(ours: Stream, ref: Stream, body: dict, num_prompt_tokens:
     assert ref.done and not ref.errors, ref.errors
     assert len(ours.tokens) == len(ref.tokens) == body["max_tokens"], (len(ours.tokens), len(ref.tokens))
     assert ours.finish_reason == ref.finish_reason == "length"
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(ours.tokens, ref.tokens)):
-        if a != b:
-            if body.get("seed") is None:
-                top2 = sorted(ref.tops[i].values(), reverse=True)[:2]
-                gap = top2[0] - top2[1]
-                assert gap < max(1e-3, 10 * worst), f"greedy divergence at {i}: {a} != {b}, top-2 gap {gap}"
-            else:
-                assert near_cdf_boundary(ref.tops[i], body, num_prompt_tokens + i), \
-                    f"sampling divergence at {i}: {a} != {b} with a draw far from any CDF boundary"
-            return  # nothing after a (legitimate) divergence can be compared
-        worst = max(worst, abs(ours.logprobs[i] - ref.logprobs[i]))
-
-
-def near_cdf_boundary(top: dict[int, float], body: dict, position: int) -> bool:
-    vocab = max(top) + 1
-    logits = torch.full((vocab,), float("-inf"))
-    for token, logprob in top.items():
-        logits[token] = logprob
+    if body.get("seed") is None:
+        greedy_divergence(ours.tokens, ref.tokens, lambda i: top2_gap(list(ref.tops[i].values())),
+                          lambda i: abs(ours.logprobs[i] - ref.logprobs[i]), "greedy stream")
+        return
     params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
                             top_p=body.get("top_p", 1.0), seed=body["seed"])
-    probs, _ = filtered_sorted_probs(logits, params)
-    cdf = torch.cumsum(probs, 0)
-    u = uniform_draw(body["seed"], position)
-    return float((cdf - u * float(cdf[-1])).abs().min()) < 1e-3
+    assert_sampling_match(ours.tokens, ref.tokens, [top_logits(top) for top in ref.tops], params, body["seed"],
+                          num_prompt_tokens, "seeded stream")
+
+
+def top_logits(top: dict[int, float]) -> torch.Tensor:
+    """Logits over the vocabulary rebuilt from a position's top logprobs (the rest -inf: never drawn)."""
+    logits = torch.full((max(top) + 1,), float("-inf"))
+    for token, logprob in top.items():
+        logits[token] = logprob
+    return logits

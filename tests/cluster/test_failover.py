@@ -12,7 +12,7 @@ import time
 
 import pytest
 from cluster_util import random_prompts
-from streams import assert_same_stream, request_body, run_all, stream_completion
+from streams import Stream, add_choice, assert_same_stream, request_body, run_all, stream_completion
 
 import httpx
 
@@ -78,17 +78,17 @@ def test_hung_worker_is_given_up_and_its_late_tokens_are_dropped(cluster, refere
                     await asyncio.sleep(0.01)
                 victim = workers[0]
                 os.kill(victim.pid, signal.SIGSTOP)
-                stopped_at = time.monotonic()
+                # given up while it is stopped (nothing closed its socket: only its silence can tell); how soon is
+                # the watchdog's own test (tests/worker), not a wall-clock bound on this loaded machine
+                deadline = time.monotonic() + 60
                 while gateway.metrics().get(f'inferd_worker_up{{version="v1",worker="{victim.worker_id}"}}') != 0.0:
+                    assert time.monotonic() < deadline, "a stopped worker was never given up"
                     await asyncio.sleep(0.02)
-                given_up_after = time.monotonic() - stopped_at
                 results = await asyncio.gather(*tasks)
                 os.kill(victim.pid, signal.SIGCONT)
-                return results, given_up_after
+                return results
 
-        ours, given_up_after = asyncio.run(main())
-        # the watchdog's own bound is the timeout (1 s) + a tenth of it; the rest is slack for a loaded machine
-        assert given_up_after < 1.0 + 5.0, f"given up after {given_up_after:.2f} s"
+        ours = asyncio.run(main())
         # after SIGCONT the worker speaks again: usable again, and its late outputs (which may arrive after its first
         # bytes) are dropped as stale
         victim_id = workers[0].worker_id
@@ -144,16 +144,8 @@ def test_every_choice_of_a_request_carries_on(cluster, reference_server):
         assert a.status_code == b.status_code == 200, a.text
         for ca, cb in zip(a.json()["choices"], b.json()["choices"]):
             seed = None if body["seed"] is None else body["seed"] + ca["index"]
-            assert_same_stream(as_stream(ca), as_stream(cb), {**body, "seed": seed}, len(prompt))
-
-
-def as_stream(choice: dict):
-    from streams import Stream
-
-    lp = choice["logprobs"]
-    return Stream(tokens=[int(t.removeprefix("token_id:")) for t in lp["tokens"]], logprobs=lp["token_logprobs"],
-                  tops=[{int(k.removeprefix("token_id:")): v for k, v in top.items()} for top in lp["top_logprobs"]],
-                  finish_reason=choice["finish_reason"], done=True)
+            assert_same_stream(add_choice(Stream(done=True), ca), add_choice(Stream(done=True), cb),
+                               {**body, "seed": seed}, len(prompt))
 
 
 def test_in_bf16_with_batch_invariance_a_replay_is_exact(cluster):

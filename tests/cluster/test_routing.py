@@ -37,12 +37,14 @@ def test_a_shared_system_prompt_goes_where_it_is_cached(two_workers):
                                                   for t in tails[1:]]))
     assert [r.status_code for r in responses] == [200] * 9
     assert {r.headers["x-inferd-worker"] for r in responses} == {holder}
+    # every later request found the whole system prompt cached (its own usage says so: exact, whatever came before)
+    assert [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses] == [128] * 9
     # the router's counter is the gateway's own: exact at once
     after = server.metrics()
     assert after["inferd_router_prefix_affinity_hits_total"] - before["inferd_router_prefix_affinity_hits_total"] \
         == 9
-    # the worker's hit counter arrives with its heartbeats: wait for the one that carries all 9 requests' hits
-    # (every later request found the system prompt cached)
+    # the worker's hit counter arrives with its heartbeats (`before` may predate some: never ahead), so wait for the
+    # one that carries all 9 requests' hits
     hit = f'inferd_worker_prefix_cache_hit_tokens_total{{worker="{holder}"}}'
     server.wait_metrics(lambda m: m.get(hit, 0) - before.get(hit, 0) >= 9 * 128)
 
@@ -59,8 +61,9 @@ def test_without_a_shared_prefix_the_load_splits_evenly(two_workers):
 
 def test_models_ready_and_metrics_cover_every_worker(two_workers):
     server = two_workers
-    # its own traffic on both workers (it does not rely on the tests before it): two concurrent requests split
-    responses = asyncio.run(post_all(server.url, [{"model": "tiny", "prompt": p, "max_tokens": 4}
+    # its own traffic on both workers (it does not rely on the tests before it): two concurrent requests split (each
+    # is in flight for 16+ slowed steps: the second is routed while the first still counts as the load of its worker)
+    responses = asyncio.run(post_all(server.url, [{"model": "tiny", "prompt": p, "max_tokens": 16}
                                                   for p in random_prompts(2, (20, 40), seed=34)]))
     assert {r.headers["x-inferd-worker"] for r in responses} == {"worker-0", "worker-1"}
     card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
