@@ -64,7 +64,9 @@ class LocalWorker:
             env.pop(FAULT_ENV, None)
         for name in CLIENT_SECRET_ENVS:  # the API's keys are none of a worker's business
             env.pop(name, None)
-        env[WORKER_SECRET_ENV] = self.secret
+        env.pop(WORKER_SECRET_ENV, None)
+        if self.secret:  # none (tests' bare supervisors): the worker runs the handshake with the empty key
+            env[WORKER_SECRET_ENV] = self.secret
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "inferd", "worker", "--host", "127.0.0.1", "--port", "0", "--die-with-parent",
             "--worker-id", self.worker_id, "--model-version", self.version, *self.worker_args,
