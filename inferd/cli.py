@@ -28,7 +28,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
-from .config import KV_DTYPES, WORKER_SECRET_ENV
+from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, WORKER_SECRET_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
@@ -307,7 +307,8 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         api_key=api_key, admin_key=admin_key,
                         max_body_bytes=args.max_body_bytes, heartbeat_timeout=args.heartbeat_timeout,
                         shutdown_grace=args.shutdown_grace, log_level=args.log_level, keys_path=args.keys,
-                        redis_url=args.redis, rate_window=args.rate_window, queue_timeout=args.queue_timeout,
+                        redis_url=args.redis, redis_lease_s=args.redis_lease, rate_window=args.rate_window,
+                        queue_timeout=args.queue_timeout,
                         max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
                         fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
@@ -481,6 +482,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    "reloaded on SIGHUP and when the file changes")
     g.add_argument("--redis", default=None, metavar="URL", help="keep quota buckets in Redis (redis://HOST:PORT/DB) "
                    "so that several servers enforce one limit (default: in this process)")
+    g.add_argument("--redis-lease", type=positive_float, default=REDIS_LEASE_S, metavar="SECONDS",
+                   help="with --redis: a concurrency slot outlives a gateway that stops renewing it (died) by this "
+                   f"much; renewed every {REDIS_LEASE_RENEW_S:g} s or a third of it (default {REDIS_LEASE_S:g})")
     g.add_argument("--rate-window", type=float, default=DEFAULT_RATE_WINDOW_S,
                    help=f"seconds over which RPM/TPM buckets refill (default {DEFAULT_RATE_WINDOW_S:g})")
     g.add_argument("--queue-timeout", type=parse_queue_timeout, default=dict(DEFAULT_QUEUE_TIMEOUT_S),

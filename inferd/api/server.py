@@ -21,7 +21,7 @@ from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEF
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES,
                       DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
-                      NEW_CONNECTION_IDLE_TIMEOUT_S)
+                      NEW_CONNECTION_IDLE_TIMEOUT_S, REDIS_LEASE_S)
 
 log = logging.getLogger("inferd.api")
 
@@ -40,6 +40,7 @@ class ServeOptions:
     log_level: str = "info"
     keys_path: str | None = None
     redis_url: str | None = None
+    redis_lease_s: float = REDIS_LEASE_S  # a concurrency slot's lease in Redis (renewed while its request runs)
     rate_window: float = DEFAULT_RATE_WINDOW_S
     queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
     max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
@@ -280,12 +281,12 @@ async def _limiter(opts: ServeOptions):
         return InProcessLimiter(opts.rate_window)
     from ..gateway.redis_limits import RedisLimiter
 
-    limiter = RedisLimiter(opts.redis_url, opts.rate_window)
+    limiter = RedisLimiter(opts.redis_url, opts.rate_window, lease_s=opts.redis_lease_s)
     try:
         await limiter.ping()
     except Exception as e:
         await limiter.close()
-        raise RuntimeError(f"cannot use Redis at {opts.redis_url} for the rate limits: {e}") from None
+        raise RuntimeError(f"cannot use Redis for the rate limits: {e}") from None  # e names the URL, redacted
     return limiter
 
 

@@ -87,7 +87,7 @@ class RolloutController:
         self.model_path: str | None = None
         self.canary_percent = 0.0
         self.reason = ""
-        self.started_at: float | None = None
+        self.started_at: float | None = None  # time.monotonic() of the canary's start (a promotion waits min_seconds)
         self.figures: dict[str, VersionFigures] = {}
         self._paths: dict[str, str] = {}  # version -> model path (workers of a version load that)
         self._task: asyncio.Task | None = None
@@ -119,7 +119,7 @@ class RolloutController:
             self.figures = {current: VersionFigures(), version: VersionFigures()}
             self.reason = "starting the canary workers"
             self.status = "canary"
-            self.started_at = time.time()
+            self.started_at = time.monotonic()
             self._set_metric()
             try:
                 await self.pool.add(1, version)
@@ -207,7 +207,7 @@ class RolloutController:
         if new.requests < self.targets.min_requests:
             return None
         t = self.targets
-        ran_long_enough = self.started_at is not None and time.time() - self.started_at >= t.min_seconds
+        ran_long_enough = self.started_at is not None and time.monotonic() - self.started_at >= t.min_seconds
         if new.error_rate > old.error_rate + t.max_error_rate_increase:
             return False, (f"{self.new_version} error rate {new.error_rate:.1%} vs {old.error_rate:.1%} on "
                            f"{self.old_version} (allowed increase {t.max_error_rate_increase:.1%})")

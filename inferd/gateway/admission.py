@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
                       DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
-                      REDIS_LEASE_RENEW_S, SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
+                      SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient, WorkerDead
+from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
 from .line import WaitingLine, Waiter
 from .router import NoWorkerAvailable, Router
@@ -294,9 +295,7 @@ class Gateway:
         self.on_bind: list = []  # callbacks (ticket) after every first dispatch (rollout statistics)
         self._arrivals: deque[tuple[float, float]] = deque()  # (time, expected tokens) of admitted requests
         self.open_by_tenant: dict[str, list[int]] = {}  # tenant -> [open tickets, their reserved tokens]
-        self._open: set[Ticket] = set()  # their leases are renewed while they run
-        self._renewer: asyncio.Task | None = None
-        self.lease_renew_s = REDIS_LEASE_RENEW_S
+        self.leases = LeaseKeeper(self.limiter)  # the concurrency leases of open requests, renewed while they run
         self._settling: set[asyncio.Task] = set()  # limiter settlements under way (retried while Redis fails)
         router.on_change.append(self.pump)
         if metrics is not None:  # read at scrape time: never stale
@@ -351,15 +350,15 @@ class Gateway:
 
     # ---- what admitted requests hold ------------------------------------------------------------------------
     def _open_ticket(self, ticket: Ticket) -> None:
-        self._open.add(ticket)
-        if self._renewer is None and not self.closing:
-            self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+        self.leases.add(ticket.tenant.name, ticket.lease_id)
+        if not self.closing:
+            self.leases.start()
         held = self.open_by_tenant.setdefault(ticket.tenant.name, [0, 0])
         held[0] += 1
         held[1] += ticket.reserved_tokens
 
     def _close_ticket(self, ticket: Ticket) -> None:
-        self._open.discard(ticket)
+        self.leases.discard(ticket.lease_id)
         held = self.open_by_tenant.get(ticket.tenant.name)
         if held is not None:
             held[0] -= 1
@@ -397,19 +396,6 @@ class Gateway:
                             tenant.name, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, SETTLE_RETRY_S[1])
-
-    async def _renew_leases(self) -> None:
-        """Keeps the concurrency leases of open requests alive in the limiter (Redis' expire after REDIS_LEASE_S, so
-        that a gateway that dies gives its slots back within seconds). A failing limiter is retried next period."""
-        while not self.closing:
-            await asyncio.sleep(self.lease_renew_s)
-            leases = [(t.tenant.name, t.lease_id) for t in self._open]
-            if not leases:
-                continue
-            try:
-                await self.limiter.renew(leases)
-            except Exception as e:  # noqa: BLE001 - Redis down: the next period tries again
-                log.warning("renewing %d concurrency leases failed: %s", len(leases), e)
 
     async def wait_settled(self) -> None:
         """Returns once every settlement started so far has ended (shutdown, tests)."""
@@ -654,8 +640,7 @@ class Gateway:
     def close(self) -> None:
         """The server is shutting down: refuse new work, fail what waits in the line and every pending replay."""
         self.closing = True
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self.leases.stop()
         for w in list(self.line.waiters()):
             self.line.remove(w)
             w.payload._fail(NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))

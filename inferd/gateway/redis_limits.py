@@ -13,8 +13,9 @@ a multi-key script needs):
   (`renew`) well before that.
 
 Redis down or failing: every call raises LimiterUnavailable (the API answers 503 with Retry-After) within the socket
-timeout. `settle` refunds only when it removes the lease, so a settlement retried after a lost reply never refunds
-twice.
+timeout (the client does not retry on its own). `settle` refunds only when it removes the lease, so a settlement
+retried after a lost reply never refunds twice (a lease that expired first, Redis unreachable for over lease_s,
+refunds nothing: the tenant is charged its reservation). `renew` extends the leases of every tenant in one pipeline.
 
 `reserve` and `settle` are each one Lua script, so a reservation (refill both buckets, check every limit, take all or
 nothing) is atomic across every process, and every refill uses Redis' own clock: no process's clock matters. The
@@ -29,6 +30,8 @@ import math
 import re
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from inferd.config import REDIS_LEASE_S, REDIS_RETRY_AFTER_S, REDIS_SOCKET_TIMEOUT_S
@@ -144,6 +147,12 @@ def _redact(url: str) -> str:
     return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
 
 
+def _unavailable(error: BaseException) -> LimiterUnavailable:
+    """What a failed Redis call raises: the error's type only, never its text (it names the host: it reaches
+    clients)."""
+    return LimiterUnavailable(f"the rate-limit store is unavailable ({type(error).__name__})", REDIS_RETRY_AFTER_S)
+
+
 def _limit(value: int | None, name: str, minimum: int) -> int:
     """A limit as a script argument: -1 = unlimited. A rate of 0 would divide by zero, so RPM and TPM are >= 1."""
     if value is None:
@@ -179,8 +188,11 @@ class RedisLimiter:
         self._lease_us = math.ceil(self.lease_s * 1_000_000)
         self._leases_ttl_ms = math.ceil(self.lease_s * 1000) + 1000
         # decode_responses: the scripts answer strings; the connection pool is shared by every task of this process
+        # no retries inside the client: a dead or silent Redis fails the call within one socket timeout (the gateway
+        # answers 503 with Retry-After; settlements and renewals are retried by their own loops)
         self._redis = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-                                              socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S)
+                                              socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                              retry=Retry(NoBackoff(), 0))
         # EVALSHA, with a SCRIPT LOAD on NOSCRIPT (a restarted or failed-over Redis forgets its scripts)
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
@@ -189,9 +201,8 @@ class RedisLimiter:
     async def _call(self, script, keys: list[str], args: list):
         try:
             return await script(keys=keys, args=args)
-        except (RedisError, OSError, TimeoutError) as e:  # no host in the message: it reaches clients
-            raise LimiterUnavailable(f"the rate-limit store is unavailable ({type(e).__name__})",
-                                     REDIS_RETRY_AFTER_S) from e
+        except (RedisError, OSError, TimeoutError) as e:
+            raise _unavailable(e) from e
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self.prefix}:{{{tenant}}}"
@@ -228,8 +239,16 @@ class RedisLimiter:
         by_tenant: dict[str, list[str]] = {}
         for tenant, lease_id in leases:
             by_tenant.setdefault(tenant, []).append(lease_id)
-        for tenant, ids in by_tenant.items():
-            await self._call(self._renew, [self._keys(tenant)[2]], [self._lease_us, self._leases_ttl_ms, *ids])
+        if not by_tenant:
+            return
+        try:  # one pipeline for every tenant: one round trip (plus a SCRIPT EXISTS) per renewal period
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for tenant, ids in by_tenant.items():
+                    await self._renew(keys=[self._keys(tenant)[2]], args=[self._lease_us, self._leases_ttl_ms, *ids],
+                                      client=pipe)
+                await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as e:
+            raise _unavailable(e) from e
 
     async def close(self) -> None:
         await self._redis.aclose()

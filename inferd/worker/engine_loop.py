@@ -131,13 +131,15 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         self.step_started_at = time.monotonic()
         self.engine.last_schedule = None  # set by the step once it has scheduled: who was in it
+        # outputs from between steps (aborts' final ones), taken here so that a step that fails does not lose them
+        pending = self.engine.take_pending_outputs()
         try:
             if self.faults is not None:
                 self.faults.before_step(self.engine)
-            return self.engine.step()
+            return pending + self.engine.step()
         except Exception as e:  # a failed step fails the requests in it, not the worker nor the others
             log.exception("engine step failed")
-            return self._fail_step(e)
+            return pending + self._fail_step(e)
         finally:
             self.step_started_at = None
 

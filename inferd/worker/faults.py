@@ -1,7 +1,7 @@
 """Fault injection for tests: the INFERD_FAULT environment variable makes a worker crash, hang or fail at a chosen
 engine step, so that failure tests are deterministic. Unset (the default), nothing here runs.
 
-    INFERD_FAULT="action=crash,phase=decode,step=5"   [,worker=worker-1] [,version=v2] [,times=1] [,ms=20]
+    INFERD_FAULT="action=crash,phase=decode,step=5"   [,worker=worker-1] [,version=v2] [,times=1] [,ms=20] [,seed=7]
 
 - action: crash (SIGKILL itself: the process vanishes mid-step), hang (SIGSTOP itself: alive, silent; SIGCONT
   resumes it), fail (the step raises: the requests in it fail, the worker carries on), slow (the step takes `ms`
@@ -10,6 +10,10 @@ engine step, so that failure tests are deterministic. Unset (the default), nothi
   any. step: the N-th step of that phase (1-based) in this process.
 - worker / version: act only in the worker with this id / serving this model version (others ignore the setting).
 - times: how many steps act, from the N-th on (default 1; 0 = every one). A crashed or hung worker acts once.
+- seed: act only in steps that run a request sampled with this seed (a test marks its victim with it): `step`
+  counts those steps (phase is ignored), and on a model engine the fault strikes once the step has scheduled its
+  batch (fail: the step's own requests fail, the others carry on). On the echo engine: before a step while such a
+  request runs.
 
 The local supervisor passes the setting to a worker's first start only, so a restarted worker runs clean.
 """
@@ -42,6 +46,7 @@ class FaultSpec:
     version: str | None = None
     times: int = 1
     ms: float = 0.0
+    seed: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -51,7 +56,7 @@ class FaultSpec:
             if not sep or not value:
                 raise ValueError(f"{ENV}: expected key=value, got {part!r}")
             fields[key] = value
-        unknown = set(fields) - {"action", "phase", "step", "worker", "version", "times", "ms"}
+        unknown = set(fields) - {"action", "phase", "step", "worker", "version", "times", "ms", "seed"}
         if unknown:
             raise ValueError(f"{ENV}: unknown key(s) {', '.join(sorted(unknown))}")
         if fields.get("action") not in ACTIONS:
@@ -60,12 +65,13 @@ class FaultSpec:
             raise ValueError(f"{ENV}: phase must be one of {', '.join(PHASES)}, got {fields['phase']!r}")
         try:
             step, times, ms = int(fields.get("step", 1)), int(fields.get("times", 1)), float(fields.get("ms", 0))
+            seed = int(fields["seed"]) if "seed" in fields else None
         except ValueError:
-            raise ValueError(f"{ENV}: step and times must be integers, ms a number") from None
+            raise ValueError(f"{ENV}: step, times and seed must be integers, ms a number") from None
         if step < 1 or times < 0 or not 0 <= ms < 60_000:
             raise ValueError(f"{ENV}: step must be >= 1, times >= 0, ms in [0, 60000)")
         return cls(fields["action"], fields.get("phase", "any"), step, fields.get("worker"), fields.get("version"),
-                   times, ms)
+                   times, ms, seed)
 
 
 class FaultInjector:
@@ -89,24 +95,49 @@ class FaultInjector:
         return cls(spec)
 
     def before_step(self, engine) -> None:
+        if self.spec.seed is not None:
+            self._before_step_of_seed(engine)
+            return
         phase = step_phase(engine)
         self.counts[phase] += 1
         self.counts["any"] += 1
+        self._count_and_act(self.counts[self.spec.phase], self.spec.phase)
+
+    def _before_step_of_seed(self, engine) -> None:
+        runner = getattr(engine, "runner", None)
+        if runner is None:  # the echo engine: no batch to look into; before a step while such a request runs
+            if any(r.params.seed == self.spec.seed for r in engine.scheduler.running):
+                self.counts["any"] += 1
+                self._count_and_act(self.counts["any"], f"seed {self.spec.seed}")
+            return
+        if getattr(runner, "_fault_wrapped", False):
+            return
+        execute = runner.execute
+
+        def execute_or_fault(sched, *args, **kw):  # the batch is scheduled: the fault strikes inside the step
+            if any(s.request.params.seed == self.spec.seed for s in sched.scheduled):
+                self.counts["any"] += 1
+                self._count_and_act(self.counts["any"], f"seed {self.spec.seed}")
+            return execute(sched, *args, **kw)
+
+        runner.execute = execute_or_fault  # an instance attribute: test-only, armed by INFERD_FAULT
+        runner._fault_wrapped = True
+
+    def _count_and_act(self, n: int, where: str) -> None:
         spec = self.spec
-        n = self.counts[spec.phase]
         if n < spec.step or (spec.times and self.fired >= spec.times):
             return
         self.fired += 1
         if spec.action == "slow":
             time.sleep(spec.ms / 1000)
             return
-        log.warning("injected fault: %s at %s step %d", spec.action, spec.phase, n)
+        log.warning("injected fault: %s at %s step %d", spec.action, where, n)
         if spec.action == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
-            raise InjectedFault(f"injected fault at {spec.phase} step {n}")
+            raise InjectedFault(f"injected fault at {where} step {n}")
 
 
 def step_phase(engine) -> str:

@@ -156,14 +156,14 @@ def test_rollout_promotes_only_after_its_minimum_duration_but_rolls_back_at_once
     import time
 
     c = _controller(min_seconds=60)
-    c.started_at = time.time()
+    c.started_at = time.monotonic()
     for _ in range(4):
         c.observe("v2", 0.1, 0.01, error=False)
     assert c.verdict() is None  # good so far, but too early to promote
-    c.started_at = time.time() - 61
+    c.started_at = time.monotonic() - 61
     assert c.verdict()[0] is True
     bad = _controller(min_seconds=60)
-    bad.started_at = time.time()
+    bad.started_at = time.monotonic()
     for _ in range(4):
         bad.observe("v2", 0.1, 0.01, error=True)
     ok, why = bad.verdict()

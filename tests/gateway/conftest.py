@@ -23,3 +23,37 @@ def serve(tmp_path_factory, tiny_llama_dir):
     yield start
     for server in started:
         kill_group(server.proc)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server of this test's own (never the session's `redis_url`), to kill and restart on the same port:
+    .url, .port, .start(), .stop() (SIGKILL), .pause() / .resume() (SIGSTOP / SIGCONT: alive but silent)."""
+    import os
+    import signal
+
+    from servers import free_port, kill_redis, start_redis
+
+    class Redis:
+        port = free_port()
+        url = f"redis://127.0.0.1:{port}/0"
+        proc = None
+
+        def start(self):
+            self.proc = start_redis(tmp_path, self.port)
+
+        def stop(self):
+            kill_redis(self.proc)
+
+        def pause(self):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+        def resume(self):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    r = Redis()
+    r.start()
+    yield r
+    if r.proc.poll() is None:
+        r.resume()
+        r.stop()

@@ -1,7 +1,7 @@
 """Redis down or failing (issue 13, part 4): requests get 503 `limiter_unavailable` with Retry-After (never a 500,
 never the host in the message), a settlement that fails is retried in the background until Redis is back, and the
-server serves again once it is. Leases are short and renewed while a request runs, so a dead gateway's slots come
-back in seconds. A real redis-server of this module's own, killed (SIGKILL) and restarted on the same port."""
+server serves again once it is; a settlement retried after a lost reply refunds once. A real redis-server of the
+test's own (the redis_server fixture), killed (SIGKILL) and restarted on the same port. The leases: test_leases.py."""
 
 from __future__ import annotations
 
@@ -12,32 +12,11 @@ import httpx
 import pytest
 
 from gw import bearer, make_keys
-from servers import free_port, kill_redis, start_redis
+from servers import free_port
 from inferd.gateway.limits import LimiterUnavailable, TenantLimits
 from inferd.gateway.redis_limits import RedisLimiter
 
 STEP_MS = 20
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    """A restartable redis-server: .port, .url, .stop(), .start()."""
-    class Redis:
-        port = free_port()
-        url = f"redis://127.0.0.1:{port}/0"
-        proc = None
-
-        def start(self):
-            self.proc = start_redis(tmp_path, self.port)
-
-        def stop(self):
-            kill_redis(self.proc)
-
-    r = Redis()
-    r.start()
-    yield r
-    if r.proc.poll() is None:
-        r.stop()
 
 
 def test_redis_down_is_a_503_then_served_again(redis_server, tmp_path, tiny_llama_dir):
@@ -77,33 +56,6 @@ def test_redis_down_is_a_503_then_served_again(redis_server, tmp_path, tiny_llam
         assert "Exception in ASGI" not in server.log()
     finally:
         kill_group(server.proc)
-
-
-def test_leases_are_renewed_while_running_and_expire_when_not(redis_url):
-    """A gateway that stops renewing (it died) gives its slot back after lease_s; renewed, a lease outlives it."""
-    tenant, limits = f"t-{uuid.uuid4().hex[:8]}", TenantLimits(max_concurrency=1)
-
-    async def body():
-        lim = RedisLimiter(redis_url, lease_s=0.5, prefix=f"test-{uuid.uuid4().hex[:8]}")
-        try:
-            assert (await lim.reserve(tenant, limits, "live", 0)).allowed
-            for _ in range(6):  # 1.2 s: over twice the lease, renewed every 0.2 s
-                await asyncio.sleep(0.2)
-                await lim.renew([(tenant, "live")])
-                assert (await lim.reserve(tenant, limits, "other", 0)).reason == "concurrency"
-            # no more renewals (the gateway died): the slot comes back once the lease has run out
-            deadline = asyncio.get_running_loop().time() + 5
-            while not (await lim.reserve(tenant, limits, "after", 0)).allowed:
-                assert asyncio.get_running_loop().time() < deadline, "the unrenewed lease never expired"
-                await asyncio.sleep(0.05)
-            # a settled lease is not brought back by a late renewal, and settling twice refunds once
-            await lim.settle(tenant, limits, "after", 0, 0)
-            await lim.renew([(tenant, "after")])
-            assert (await lim.reserve(tenant, limits, "again", 0)).allowed
-        finally:
-            await lim.close()
-
-    asyncio.run(body())
 
 
 def test_settle_twice_refunds_once(redis_url):
