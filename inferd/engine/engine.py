@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype, resolve_kv_dtype
+from ..models import batch_invariant
 from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
 from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
@@ -72,6 +73,9 @@ def check_batch_invariant(config: EngineConfig) -> None:
                          "need their row tiles too)")
     if config.quantize is not None:
         raise ValueError("--batch-invariant does not support --quantize yet (its int8 matmuls are not tiled)")
+    if not config.device.startswith("cpu"):
+        raise ValueError(f"--batch-invariant is verified on CPUs only, not on {config.device!r} (GPU libraries pick "
+                         "their matmul kernels, split-K among them, by the batched matmuls' batch count)")
 
 
 def check_speculative(config: EngineConfig) -> None:
@@ -121,11 +125,9 @@ class Engine:
         if decode_graphs:
             graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, scratch_block=num_blocks - 1)
             self.runner.decode_graphs = graphs if static and not wants_decode_graphs(config) else graphs.capture()
-        if config.batch_invariant:
-            from ..models import batch_invariant
-
-            batch_invariant.enable(model)
-            self.runner.batch_invariant = True
+        # set either way: the mode lives in the model's layers, and a model may be handed to another engine
+        batch_invariant.enable(model, config.batch_invariant)
+        self.runner.batch_invariant = config.batch_invariant
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,

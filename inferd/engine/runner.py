@@ -125,9 +125,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
-        if self.batch_invariant:  # each query row: (its context length, its block table)
-            contexts = [(start + j + 1, blocks) for tokens, start, blocks, _ in rows for j in range(len(tokens))]
-            meta.invariant = build_groups(contexts, bs, dev)
+        if self.batch_invariant:  # every query row over its own context (batch_invariant.py)
+            meta.invariant = build_groups([(start, len(tokens), blocks) for tokens, start, blocks, _ in rows], bs, dev)
             return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
         meta.decode_groups = [

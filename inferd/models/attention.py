@@ -43,9 +43,9 @@ class AttentionMetadata:
     num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are one-token decodes, one per sequence
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # cover rows [0, num_decode_tokens)
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # batch-invariant mode (inferd/models/batch_invariant.py): every row's attention by its context's block count;
+    # batch-invariant mode (inferd/models/batch_invariant.py): build_groups' (single-row groups, shared segments);
     # when set, decode_groups and prefills are not used
-    invariant: list | None = None
+    invariant: tuple | None = None
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
-from .batch_invariant import invariant_attention
+from .batch_invariant import invariant_attention, tiled_rows
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -32,8 +32,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_rows is not None and x.dim() == 2:
-            from .batch_invariant import tiled_rows
-
             return tiled_rows(self._forward, x, self.tile_rows)
         return self._forward(x)
 
