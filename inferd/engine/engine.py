@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype, resolve_kv_dtype
+from .. import kernels
 from ..models import batch_invariant
 from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
@@ -24,7 +25,7 @@ from .scheduler import Scheduler
 from .speculative import NgramIndex, propose_ngram
 
 if TYPE_CHECKING:
-    from ..models.parallel import TensorParallelGroup
+    from .tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -120,6 +121,8 @@ class Engine:
         decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1 and not config.batch_invariant
         self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        if hasattr(model, "ops"):  # the fused kernels where they apply (inferd/kernels)
+            model.ops = kernels.select(config.device, dtype, self.kv_dtype, config.kernels)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel, kv_dtype=self.kv_dtype)
         if decode_graphs:
@@ -157,7 +160,7 @@ class Engine:
         check_quantization(config.quantize, dtype)  # before anything loads or starts
         resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
         if config.tensor_parallel != 1:
-            from ..models.parallel import load_tensor_parallel
+            from .tensor_parallel import load_tensor_parallel
 
             model, model_config, tokenizer, parallel = load_tensor_parallel(path, config, dtype, progress)
             try:

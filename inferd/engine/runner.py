@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..kernels import REFERENCE as REFERENCE_OPS
 from ..models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, build_decode_mask
 from ..models.batch_invariant import build_groups
 from ..models.config import ModelConfig
 from .scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from ..models.parallel import TensorParallelGroup
+    from .tensor_parallel import TensorParallelGroup
     from .cuda_graph import DecodeGraphs
 
 
@@ -129,9 +130,16 @@ class ModelRunner:
             meta.invariant = build_groups([(start, len(tokens), blocks) for tokens, start, blocks, _ in rows], bs, dev)
             return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
-        meta.decode_groups = [
-            DecodeGroup(lo, hi, *self._decode_tables(decode_tables[lo:hi], decode_lens[lo:hi]))
-            for lo, hi in split_by_length(decode_lens, bs)]
+        # the fused decode kernel reads block tables in place; the reference gathers padded groups
+        if decode_lens and getattr(self.model, "ops", REFERENCE_OPS).decode_in_place:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
+                                              device=dev)
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
+        else:
+            meta.decode_groups = [
+                DecodeGroup(lo, hi, *self._decode_tables(decode_tables[lo:hi], decode_lens[lo:hi]))
+                for lo, hi in split_by_length(decode_lens, bs)]
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
 

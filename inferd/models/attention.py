@@ -1,4 +1,8 @@
-"""Attention over the paged KV cache (CPU path).
+"""Attention over the paged KV cache: the metadata a step carries, and the model's calls into the kernels.
+
+With the fused CPU kernels (inferd/kernels, the default where they build) decode rows attend through
+paged_decode_attention, which reads each sequence's blocks where they lie (block tables + lengths). The reference
+path, described below, is what runs elsewhere and what tests compare against.
 
 The cache of one layer is a pair of tensors shaped [num_kv_heads, num_blocks, block_size, head_dim]. A token's KV
 lives at slot = block_id * block_size + offset. Decode queries (one token per sequence) are batched: their blocks are
@@ -17,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from ..kernels import paged
+from ..kernels.paged import build_decode_mask, dequantize, gather_blocks, write_kv  # noqa: F401 - the model's API
 
 
 @dataclass
@@ -42,109 +48,23 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot for each row's new KV
     num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are one-token decodes, one per sequence
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # cover rows [0, num_decode_tokens)
+    # with the fused kernels (kernels/): the decode rows' block tables (int32 [B, max_blocks], padded with block 0)
+    # and context lengths (int32 [B]), read in place instead of decode_groups
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
     # batch-invariant mode (inferd/models/batch_invariant.py): build_groups' (single-row groups, shared segments);
     # when set, decode_groups and prefills are not used
     invariant: tuple | None = None
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A one-byte float tensor as uint8, bit for bit (a view, no copy): torch 2.13 has no CPU index_copy_ for
-    float8 types, and integer copies and gathers exist on every device."""
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, n_kv, d] written to their slots, cast to the cache's dtype (a no-op when it is theirs; float8
-    saturates at +-448)."""
-    n_kv, num_blocks, block_size, d = k_cache.shape
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        _bits(cache).view(n_kv, num_blocks * block_size, d).index_copy_(
-            1, slot_mapping, _bits(new.to(cache.dtype)).transpose(0, 1))
-
-
-FP8_E4M3_TO_BF16_MASK = -0x7810  # 0x87F0 as int16: after a shift by 4, the sign bit and the 7 exponent+mantissa bits
-FP8_E4M3_TO_BF16_SCALE = 2.0 ** 120  # bf16's exponent bias (127) less float8_e4m3fn's (7)
-
-
-def dequantize(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[...] = x (a low-precision tensor) in out's dtype, exactly. On CPU, torch's float8_e4m3fn -> bf16 cast
-    is scalar code (~5 ns per value here, ~35x a bf16 gather of the same values); the bit-level conversion below is
-    ~8x faster (docs/benchmarks.md) and equal for every float8 value but the two NaN codes (which read as +-480;
-    write_kv never stores NaN from finite input): the sign and 7 low bits moved into a bf16's sign, exponent and
-    mantissa fields give the value x 2**-120, subnormals included, and a multiply by 2**120 (exact: a power of two)
-    restores it."""
-    if x.dtype == torch.float8_e4m3fn and x.device.type == "cpu":
-        b = x.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 is the sign
-        b.bitwise_left_shift_(4).bitwise_and_(FP8_E4M3_TO_BF16_MASK)
-        if out.dtype == torch.bfloat16:
-            return torch.mul(b.view(torch.bfloat16), FP8_E4M3_TO_BF16_SCALE, out=out)
-        return out.copy_(b.view(torch.bfloat16).mul_(FP8_E4M3_TO_BF16_SCALE))  # exact in fp16 and fp32 too
-    return out.copy_(x)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """cache [n_kv, num_blocks, bs, d] -> [n_kv, len(block_ids), bs, d] in dtype (default: the cache's; another
-    one dequantizes, head by head while the gathered bytes are still in cache). One dim-0 index_select per head:
-    each head's blocks are contiguous rows, and a dim-0 gather of rows runs ~9x faster here than index_select on
-    dim 1 of the 4-D tensor (19.6 MB: 1.1 ms against 9.9 ms, docs/benchmarks.md)."""
-    n_kv, _, bs, d = cache.shape
-    dtype = cache.dtype if dtype is None else dtype
-    out = torch.empty((n_kv, block_ids.numel(), bs, d), dtype=dtype, device=cache.device)
-    for h in range(n_kv):
-        if dtype == cache.dtype:
-            torch.index_select(cache[h], 0, block_ids, out=out[h])
-        else:
-            dequantize(torch.index_select(_bits(cache[h]), 0, block_ids).view(cache.dtype), out[h])
-    return out
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     g: DecodeGroup, scale: float) -> torch.Tensor:
-    """q: [B, n_heads, d] (the group's rows) -> [B, n_heads, d]."""
-    B, n_heads, d = q.shape
-    n_kv = k_cache.shape[0]
-    group = n_heads // n_kv
-    idx = g.block_indices
-    keys = gather_blocks(k_cache, idx, q.dtype).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
-    values = gather_blocks(v_cache, idx, q.dtype).view(n_kv, B, -1, d)
-    qg = q.view(B, n_kv, group, d).transpose(0, 1)  # [n_kv, B, group, d]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n_kv, B, group, ctx]
-    scores = scores + g.mask
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values)  # [n_kv, B, group, d]
-    return out.transpose(0, 1).reshape(B, n_heads, d)
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                     scale: float) -> torch.Tensor:
+    """q: [B, n_heads, d] (the group's rows) -> [B, n_heads, d], over the group's gathered blocks."""
+    return paged.decode_attention(q, k_cache, v_cache, g.block_indices, g.mask, scale)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, seq: PrefillSeq, scale: float) -> torch.Tensor:
-    """One sequence's chunk. q: [n, n_heads, d]; k, v: the chunk's own [n, n_kv, d] -> [n, n_heads, d].
-    A first chunk (nothing cached before it) attends to k, v as computed, in the activation dtype; a later chunk
-    reads its whole context, its own new k/v included, back from the cache (dequantized to q's dtype)."""
-    n = q.shape[0]
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, d]
-    if seq.num_cached == 0:
-        keys = k.transpose(0, 1).unsqueeze(0)
-        values = v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        n_kv, _, block_size, d = k_cache.shape
-        ctx = seq.num_cached + n
-        keys = gather_blocks(k_cache, seq.block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
-        values = gather_blocks(v_cache, seq.block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
-        # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + seq.num_cached
-        cols = torch.arange(ctx, device=q.device).unsqueeze(0)
-        mask = cols <= rows
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
-
-
-def build_decode_mask(context_lens: list[int], max_blocks: int, block_size: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    width = max_blocks * block_size
-    lens = torch.tensor(context_lens).unsqueeze(1)
-    invalid = torch.arange(width).unsqueeze(0) >= lens  # [B, width]
-    mask = torch.zeros(invalid.shape, dtype=dtype).masked_fill_(invalid, float("-inf"))
-    return mask.view(1, len(context_lens), 1, width)
+    """One sequence's chunk (kernels/paged.py's prefill_attention)."""
+    return paged.prefill_attention(q, k, v, k_cache, v_cache, seq.num_cached, seq.block_ids, scale)

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from ..kernels import REFERENCE as reference_ops
+from .attention import AttentionMetadata, decode_attention, prefill_attention
 from .batch_invariant import invariant_attention, tiled_rows
 from .config import ModelConfig
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding
 
 
 class Linear(nn.Module):
@@ -90,21 +91,30 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, h, False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache, ops, rotary):
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.n_kv, self.head_dim), cos, sin)
-        v = v.view(T, self.n_kv, self.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        qkv = self.qkv_proj(x)  # [T, q + k + v], rows contiguous
+        # RoPE on q and k in place, and k, v written to their cache slots: one op (kernels/)
+        ops.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping, self.n_heads,
+                          self.n_kv)
+        q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
         if meta.invariant is not None:  # batch-invariant mode: every row the same way (batch_invariant.py)
             out = invariant_attention(q, k_cache, v_cache, meta.invariant, self.scale)
             return self.o_proj(out.reshape(T, self.q_size))
-        parts = [decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale) for g in meta.decode_groups]
-        for seq in meta.prefills:
-            s, e = seq.start, seq.end
-            parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
+        parts = []
+        if meta.decode_tables is not None:  # the fused kernel reads the paged cache in place
+            nd = meta.num_decode_tokens
+            parts.append(ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+                                                    self.scale))
+        else:
+            parts.extend(decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
+                         for g in meta.decode_groups)
+        if meta.prefills:
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
+            for seq in meta.prefills:
+                s, e = seq.start, seq.end
+                parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -116,9 +126,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(h, 2 * self.inter, False)
         self.down_proj = Linear(self.inter, h, False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, ops=reference_ops):
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -129,9 +138,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, meta, k_cache, v_cache, ops, rotary):
+        """x: the previous layer's output (None for the first layer), added to residual (in place) before the norm;
+        returns this layer's MLP output, which the next layer (or the final norm) adds."""
+        h = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, positions, meta, k_cache, v_cache, ops, rotary)
+        h = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp(h, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,14 +158,17 @@ class LlamaForCausalLM(nn.Module):
         # a tied head still gets its own Linear: on CPU it is repacked, and the embedding keeps its plain rows
         self.lm_head = Linear(h, v, False)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype)
+        # the step's operators (inferd/kernels): the torch references until an engine selects the fused ones
+        self.ops = reference_ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
+        ops = self.ops
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, added to in place
+        x = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
-        return self.norm(x)
+            x = layer(x, residual, positions, meta, k_cache, v_cache, ops, self.rotary)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -199,9 +215,12 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights one decode step reads: every layer and the head; the embedding table is only
         looked up a row per token."""
         tensors = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        total = 0
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, Linear) and hasattr(m, "step_bytes"):  # int4: the 4-bit codes a decode step reads
+                total += m.step_bytes(1)
+            elif isinstance(m, Linear):
                 tensors.append(m.packed if m.packed is not None else m.weight)
-                if m.bias is not None:
-                    tensors.append(m.bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+            if isinstance(m, Linear) and m.bias is not None:
+                tensors.append(m.bias)
+        return total + sum(t.numel() * t.element_size() for t in tensors)

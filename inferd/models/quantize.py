@@ -33,7 +33,7 @@ from torch import nn
 
 from .llama import Linear
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")
 INT8_MAX = 127  # symmetric: -127..127 (-128 unused, so that w and -w quantize alike)
 INT8PACK_K_MULTIPLE = 16  # _weight_int8pack_mm segfaults on other input sizes (torch 2.13 CPU)
 # rows up to which _weight_int8pack_mm beats the convert-and-multiply path (all of SmolLM2's matrices, bf16:
@@ -52,7 +52,7 @@ def check_quantization(mode: str | None, dtype: torch.dtype) -> None:
     if mode is None:
         return
     _check_mode(mode)
-    if dtype == torch.float32:
+    if mode == "int8" and dtype == torch.float32:
         raise ValueError(
             "--quantize int8 needs 16-bit activations: with float32 the int8 kernels ran 2-29x slower than the "
             "unquantized float32 model on CPU. Use --dtype bfloat16 (on a CPU with AVX-512 BF16 or AMX, or a GPU)")
@@ -171,6 +171,98 @@ class Int8Linear(Linear):
         return False
 
 
+INT4_GROUP = 32  # values per scale/zero pair, as GGUF's Q4_0/Q4_1 blocks
+INT4_LEVELS = 15  # codes 0..15
+INT4PACK_INNER_K_TILES = 2
+# rows up to which torch's int4 CPU kernel beats the bf16 oneDNN matmul over the dequantized weight (bench/int4.py:
+# all of SmolLM2's matrices, bf16, AMD EPYC AVX-512 BF16: M = 1 6.4 vs 21 ms, M = 16 32 vs 22 ms)
+INT4_MAX_ROWS = 4
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype,
+                  group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of `group` input values (Q4_1's scheme: w ~= q * d + m, q in 0..15, d and m
+    per group). Returns (codes int32 [out, in], scales [out, in / group] and mins [out, in / group], both rounded to
+    dtype) with the codes chosen for the rounded scales, so that dequantizing with them is what the kernel computes."""
+    out_f, in_f = weight.shape
+    if in_f % group:
+        raise ValueError(f"int4 needs the input size ({in_f}) to be a multiple of {group}")
+    w = weight.detach().to(torch.float32).view(out_f, in_f // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = ((hi - lo) / INT4_LEVELS).to(dtype)
+    m = lo.to(dtype)
+    d32, m32 = d.to(torch.float32), m.to(torch.float32)
+    safe = torch.where(d32 > 0, d32, torch.ones_like(d32))
+    q = torch.round((w - m32[..., None]) / safe[..., None]).clamp_(0, INT4_LEVELS).to(torch.int32)
+    return q.view(out_f, in_f), d, m
+
+
+class Int4Linear(Linear):
+    """y = x W^T + b with W held as 4-bit codes, a scale and a minimum per 32 input values (`--quantize int4`).
+    Up to INT4_MAX_ROWS rows (single-stream decoding, memory-bound) torch's CPU int4 kernel
+    (`_weight_int4pack_mm_for_cpu`) reads the 4-bit weights: ~3.3x fewer bytes than bf16. Larger steps (batched
+    decoding, prefill: compute-bound) multiply the dequantized weights in the activation dtype through oneDNN, so
+    this module keeps both and saves no memory on a CPU: it trades memory for single-stream speed."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        q, d, m = quantize_int4(weight, dtype)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.tile_rows = None
+        # the kernel's form: w = (q - 8) * scale + zero, i.e. zero = m + 8 d; [in / group, out, 2]
+        zeros = (m.to(torch.float32) + 8 * d.to(torch.float32)).to(dtype)
+        self.register_buffer("scales_zeros", torch.stack([d, zeros], dim=-1).transpose(0, 1).contiguous())
+        dense = (q.view(self.out_features, -1, INT4_GROUP).to(torch.float32) * d.to(torch.float32)[..., None]
+                 + m.to(torch.float32)[..., None]).view(self.out_features, self.in_features)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.weight = nn.Parameter(dense.to(dtype), requires_grad=False)  # the dequantized weight (batched steps)
+        self.packed = None
+        try:
+            self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q, INT4PACK_INNER_K_TILES))
+        except (RuntimeError, AttributeError):  # no CPU int4 kernel for this shape: the dense path only
+            self.weight_int4 = None
+        Linear.pack(self)  # the dequantized weight in oneDNN's layout, as an unquantized Linear
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> Int4Linear:
+        return cls(weight, bias, dtype or weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={INT4_GROUP}"
+
+    def uses_int4pack(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // max(1, self.in_features)
+        return (self.weight_int4 is not None and x.device.type == "cpu" and x.dtype == self.scales_zeros.dtype
+                and 0 < rows <= INT4_MAX_ROWS)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_int4pack(x):
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, INT4_GROUP, self.scales_zeros)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
+        return Linear._forward(self, x)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        raise NotImplementedError("an Int4Linear is built from its float weight (Int4Linear.from_float)")
+
+    def pack(self) -> bool:
+        return False
+
+    def step_bytes(self, rows: int = 1) -> int:
+        """Weight bytes a matmul of `rows` rows reads: the 4-bit codes and scales, or the dense weight."""
+        if self.weight_int4 is not None and rows <= INT4_MAX_ROWS:
+            return (self.weight_int4.numel() * self.weight_int4.element_size()
+                    + self.scales_zeros.numel() * self.scales_zeros.element_size())
+        dense = self.packed if self.packed is not None else self.weight
+        return dense.numel() * dense.element_size()
+
+
 def _float_weight(linear: Linear) -> torch.Tensor:
     """A Linear's weight, also when it was repacked for oneDNN (build_model packs on CPU and frees the plain one)."""
     return linear.packed.to_dense() if linear.packed is not None else linear.weight.detach()
@@ -197,11 +289,17 @@ def quantize_model(model: nn.Module, mode: str | None) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         weight = _float_weight(linear)
         bias = None if linear.bias is None else linear.bias.detach()
-        setattr(parent, attr, Int8Linear.from_float(weight, bias, dtype))
+        if mode == "int4" and name == "lm_head":
+            # the head keeps its precision (a Q4_1 GGUF keeps it 8-bit: the default model's token_embd is Q8_0):
+            # at 4 bits it cost 0.037 nats of KL against bf16 on its own (0.004 without), and int8's kernel was no
+            # faster than bf16's for it here (49152 x 576 at one row: int8 2.15 ms, bf16 1.92, int4 0.89)
+            continue
+        cls = Int4Linear if mode == "int4" else Int8Linear
+        setattr(parent, attr, cls.from_float(weight, bias, dtype))
         del weight, bias
         linear.packed = None  # free the full-precision weight now, not when the old module is collected
         linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=linear.weight.device), requires_grad=False)
-    return len(targets)
+    return sum(type(m) is not Linear for _, m in model.named_modules() if isinstance(m, Linear))
 
 
 def weight_bytes(model: nn.Module) -> int:

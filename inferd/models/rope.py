@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..kernels.reference import apply_rotary, rotate_half  # noqa: F401 - the model's API
 from .config import ModelConfig
 
 
@@ -60,15 +61,3 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin

@@ -1,6 +1,7 @@
-"""Tensor parallelism (inferd/models/parallel.py): an engine split over 2 processes (rank 1 a child process, gloo)
-gives the outputs of one process, by the exactness rule of tests/parity.py; a bad split is refused at start; the
-child rank ends with the engine and with its parent process."""
+"""Tensor parallelism (inferd/engine/tensor_parallel.py, the shards in inferd/models/parallel.py): an engine
+split over 2 processes (rank 1 a child process, gloo) gives the outputs of one process, by the exactness rule of
+tests/parity.py; a bad split is refused at start; the child rank ends with the engine and with its parent
+process."""
 
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def test_step_encoding_round_trips():
     import io
 
     from inferd.engine.runner import StepRow
-    from inferd.models.parallel import encode_step, read_step
+    from inferd.engine.tensor_parallel import encode_step, read_step
 
     rows = [StepRow([7], 40, [3, 9, 11], True), StepRow(list(range(20)), 0, [5, 6], False),
             StepRow([1, 2], 16, [], False)]

@@ -1,0 +1,77 @@
+"""Fused operators of the model step, each beside its plain torch reference (../shared/DESIGN.md, "kernels").
+
+- add_rms_norm: the residual add fused with the next RMSNorm;
+- rope_kv_write: RoPE on q and k, in place in the fused qkv rows, with the KV cache write;
+- silu_mul: SiLU(gate) * up over the fused gate/up rows;
+- paged_decode_attention: one-token queries attending to their context where it lies in the paged cache (no
+  gathered, padded copy; no mask).
+
+`reference.py` (and `paged.py` for attention) hold the torch references; `cpu_ops.cpp` the fused CPU versions
+(built by build.py for this CPU, loaded as torch.ops.inferd.*). A model asks `select(device, dtype, kv_dtype, mode)`
+once and gets the namespace it calls: the fused ops where they apply (a CPU tensor, a float32/bf16/fp16 cache), the
+references elsewhere. `mode="reference"` (`--kernels reference`) forces the references.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import reference
+
+KERNEL_MODES = ("auto", "fused", "reference")
+FUSED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_cpu() -> types.SimpleNamespace | None:
+    """The fused CPU ops, built and loaded on first use; None where they cannot be (kernels.build.error() says why)."""
+    from . import build
+
+    if not build.load():
+        return None
+    ops = torch.ops.inferd
+    return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
+                                 silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
+                                 decode_in_place=True)
+
+
+# decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups)
+REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_rms_norm,
+                                  rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
+                                  paged_decode_attention=reference.paged_decode_attention, decode_in_place=False)
+
+
+def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
+           mode: str = "auto") -> types.SimpleNamespace:
+    """The ops a model on this device, in dtype over a kv_dtype cache, runs. mode: auto (fused where available),
+    fused (ValueError when not available), reference. Over a cache the fused ops do not read (float8), the ops
+    that touch the cache (the KV write, decode attention) are the references and the others stay fused."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernels mode {mode!r} (choose one of: {', '.join(KERNEL_MODES)})")
+    if mode == "reference":
+        return REFERENCE
+    device = torch.device(device)
+    why = None
+    ops = None
+    if device.type != "cpu":
+        why = f"no fused kernels for {device.type} yet"
+    elif dtype not in FUSED_DTYPES:
+        why = f"no fused CPU kernels for {dtype}"
+    else:
+        ops = fused_cpu()
+        if ops is None:
+            from . import build
+
+            why = f"the fused CPU kernels could not be loaded: {build.error()}"
+    if ops is None:
+        if mode == "fused":
+            raise ValueError(why)
+        return REFERENCE
+    if kv_dtype not in FUSED_KV_DTYPES:
+        ops = types.SimpleNamespace(**vars(ops))
+        ops.name = "fused-cpu (reference KV ops)"
+        ops.rope_kv_write, ops.paged_decode_attention = REFERENCE.rope_kv_write, REFERENCE.paged_decode_attention
+        ops.decode_in_place = False
+    return ops

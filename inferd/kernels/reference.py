@@ -1,0 +1,68 @@
+"""Plain torch references of the fused operators (what tests compare the fast paths against, and what runs where
+no fused implementation exists: another device, an unsupported dtype, INFERD_KERNELS=reference).
+
+Each computes what the step computed before the fused kernels existed, op for op, so the reference path is
+today's behaviour.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .paged import build_decode_mask, decode_attention, write_kv
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, in residual's dtype) when x is given; returns weight * rmsnorm(residual)."""
+    if x is not None:
+        residual.add_(x)
+    dtype = residual.dtype
+    r32 = residual.to(torch.float32)
+    r32 = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * r32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                  num_kv_heads: int) -> None:
+    """qkv [T, (H + 2 KV) D]: rotates its q and k heads in place (positions index the cos/sin tables) and writes k
+    and v to their cache slots (cast to the cache's dtype)."""
+    T = qkv.shape[0]
+    d = k_cache.shape[-1]
+    c, s = cos[positions], sin[positions]
+    qk = qkv[:, :(num_heads + num_kv_heads) * d].view(T, num_heads + num_kv_heads, d)
+    qk.copy_(apply_rotary(qk, c, s))
+    k = qkv[:, num_heads * d:(num_heads + num_kv_heads) * d].view(T, num_kv_heads, d)
+    v = qkv[:, (num_heads + num_kv_heads) * d:].view(T, num_kv_heads, d)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; caches [KV, blocks, block_size, D]; block_tables int32 [B, max_blocks]; context_lens int32 [B]
+    -> [B, H, D]. Gathers each sequence's blocks (dequantized to q's dtype), masks past its length, and attends."""
+    B = q.shape[0]
+    bs = k_cache.shape[2]
+    lens = [int(n) for n in context_lens.tolist()]
+    max_blocks = max(-(-n // bs) for n in lens)
+    idx = block_tables[:, :max_blocks].to(torch.long).reshape(-1)
+    mask = build_decode_mask(lens, max_blocks, bs, q.dtype).to(q.device)
+    return decode_attention(q, k_cache, v_cache, idx, mask, scale)

@@ -1,0 +1,77 @@
+"""Engines on the fused CPU kernels (inferd/kernels) against the same engines on the torch references (today's
+path), greedy, token for token under the exactness rule (tests/parity.py): a divergence is accepted only where the
+reference's top-2 logit gap shows a near-tie. Tiny random Llama and Qwen2 models in float32 and bfloat16 under
+staggered arrivals, chunked prefill and preemption; the default model in bfloat16 (what `--dtype auto` serves on a
+CPU with AVX-512 BF16 or AMX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import greedy_divergence, run_staggered, top2_gap
+
+from inferd.config import EngineConfig
+from inferd.engine import Engine, SamplingParams
+from inferd.engine.runner import kv_bytes_per_block
+from inferd.models.build import load_model
+
+PROMPT_LENS = [3, 17, 47, 90, 130, 9]
+MAX_NEW = 20
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _run(model, cfg, tok, dtype, kernels: str, blocks: int = 256, **kw):
+    per_block = kv_bytes_per_block(cfg, 16, dtype)
+    config = EngineConfig(kv_cache_bytes=per_block * blocks, record_logits=True, kernels=kernels, **kw)
+    engine = Engine(model, cfg, config, dtype, tok)  # selects the model's ops (one engine at a time here)
+    assert engine.runner.model.ops.name.startswith("fused" if kernels == "fused" else "reference")
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    reqs, trace = run_staggered(engine, _prompts(cfg.vocab_size, 11), params, every=2)
+    engine.kv_cache.check_no_leaks()
+    assert any(d > 0 and p > 0 for d, p, _ in trace)  # decodes shared steps with prefill chunks
+    return [(list(r.output_token_ids), [x.float() for x in r.debug_logits]) for r in reqs], engine
+
+
+def assert_same_greedy(fused, ref, label):
+    for i, ((ours, our_logits), (theirs, their_logits)) in enumerate(zip(fused, ref)):
+        assert len(ours) == len(theirs) == MAX_NEW
+        greedy_divergence(ours, theirs, lambda j: top2_gap(their_logits[j]),
+                          lambda j: float((our_logits[j] - their_logits[j]).abs().max()), f"{label} prompt {i}")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_path(request, tiny_llama_dir, tiny_qwen2_dir):
+    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", ["chunked", "preemption"])
+def test_tiny_models_fused_as_reference(tiny_path, dtype, scenario):
+    model, cfg, tok = load_model(str(tiny_path), dtype=dtype)
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=8) if scenario == "chunked" else \
+        dict(max_num_batched_tokens=64, max_num_seqs=8, blocks=14)
+    blocks = kw.pop("blocks", 256)
+    ref, _ = _run(model, cfg, tok, dtype, "reference", blocks, **kw)
+    fused, engine = _run(model, cfg, tok, dtype, "fused", blocks, **kw)
+    if scenario == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if dtype == torch.float32:  # float32: the fused ops' rounding is float32's, far below any near-tie
+        assert [t for t, _ in fused] == [t for t, _ in ref]
+    assert_same_greedy(fused, ref, f"{tiny_path.name} {dtype} {scenario}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_gguf_path):
+    return load_model(smollm2_gguf_path, dtype=torch.bfloat16)
+
+
+def test_default_model_bf16_fused_as_reference(smollm2_bf16):
+    model, cfg, tok = smollm2_bf16
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=8)
+    ref, _ = _run(model, cfg, tok, torch.bfloat16, "reference", **kw)
+    fused, _ = _run(model, cfg, tok, torch.bfloat16, "fused", **kw)
+    assert_same_greedy(fused, ref, "SmolLM2 bf16")

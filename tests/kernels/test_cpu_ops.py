@@ -1,0 +1,197 @@
+"""The fused CPU operators (inferd/kernels/cpu_ops.cpp) against their torch references (inferd/kernels/reference.py,
+paged.py): pointwise ops bit for bit (they round where the references round), reductions within float rounding, bad
+arguments refused with an error (never a crash), and whole engines on the fused ops against the references under the
+greedy exactness rule (tests/parity.py), in float32 and in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import greedy_divergence, top2_gap
+
+from inferd import kernels
+from inferd.kernels import build, reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def fused():
+    ops = kernels.fused_cpu()
+    assert ops is not None, f"the fused CPU kernels did not build: {build.error()}"  # make setup builds them
+    return ops
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference in units of the dtype's last place at b's magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    a32, b32 = a.float(), b.float()
+    return float(((a32 - b32).abs() / (b32.abs().clamp(min=1e-6) * eps)).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm(fused, dtype, with_x):
+    g = torch.Generator().manual_seed(0)
+    for rows, n in [(1, 576), (5, 64), (37, 576)]:
+        x = torch.randn(rows, n, generator=g).to(dtype) if with_x else None
+        res = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+        w = torch.randn(n, generator=g).to(dtype)
+        res_ref, res_fused = res.clone(), res.clone()
+        out_ref = reference.add_rms_norm(x, res_ref, w, 1e-5)
+        out = fused.add_rms_norm(x, res_fused, w, 1e-5)
+        assert torch.equal(res_fused, res_ref)  # the residual add rounds exactly as torch's
+        # the sum of squares adds in another order: at most one rounding step apart
+        assert ulps(out, out_ref) <= (2 if dtype == torch.bfloat16 else 64), (rows, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_write_is_bitwise_the_reference(fused, dtype):
+    g = torch.Generator().manual_seed(1)
+    H, KV, D, blocks, bs = 9, 3, 64, 8, 16
+    T = 11
+    tables = torch.randn(512, D, generator=g)
+    cos, sin = tables.cos().to(dtype), tables.sin().to(dtype)
+    positions = torch.randint(0, 512, (T,), generator=g)
+    slots = torch.randperm(blocks * bs, generator=g)[:T]
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)
+    results = []
+    for impl in (reference.rope_kv_write, fused.rope_kv_write):
+        q = qkv.clone()
+        kc, vc = torch.zeros(KV, blocks, bs, D, dtype=dtype), torch.zeros(KV, blocks, bs, D, dtype=dtype)
+        impl(q, positions, cos, sin, kc, vc, slots, H, KV)
+        results.append((q, kc, vc))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_rope_kv_write_into_a_lower_precision_cache(fused):
+    g = torch.Generator().manual_seed(2)
+    H, KV, D = 4, 2, 16
+    qkv = torch.randn(3, (H + 2 * KV) * D, generator=g)
+    cos, sin = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
+    pos, slots = torch.tensor([0, 3, 7]), torch.tensor([5, 0, 9])
+    caches = []
+    for impl in (reference.rope_kv_write, fused.rope_kv_write):
+        kc, vc = torch.zeros(KV, 2, 8, D, dtype=torch.bfloat16), torch.zeros(KV, 2, 8, D, dtype=torch.bfloat16)
+        impl(qkv.clone(), pos, cos, sin, kc, vc, slots, H, KV)
+        caches.append((kc, vc))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(fused, dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(13, 2 * 1536, generator=g) * 4).to(dtype)
+    out, ref = fused.silu_mul(gate_up), reference.silu_mul(gate_up)
+    # torch's vectorized exp and the C library's may differ in the last bit of float32
+    assert ulps(out, ref) <= (1 if dtype == torch.bfloat16 else 8)
+
+
+def _paged_case(g, dtype, kv_dtype, lens, H=9, KV=3, D=64, bs=16, num_blocks=64):
+    B = len(lens)
+    k_cache = torch.randn(KV, num_blocks, bs, D, generator=g).to(kv_dtype)
+    v_cache = torch.randn(KV, num_blocks, bs, D, generator=g).to(kv_dtype)
+    width = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(num_blocks, generator=g)  # every sequence its own scattered blocks
+    tables = torch.zeros(B, width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        need = -(-n // bs)
+        tables[b, :need] = perm[used:used + need].to(torch.int32)
+        used += need
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+# heads (query, KV) and head_dim: SmolLM2's 9/3 x 64, Llama 3's 4 per KV head, multi-head, 8 per KV head at 32 (the
+# bf16 AVX-512 path covers head_dim 64 with up to 4 query heads per KV head; the others the generic loops)
+SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 1, 32)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_decode_attention(fused, dtype, kv_dtype, shape):
+    g = torch.Generator().manual_seed(4)
+    H, KV, D = shape
+    for lens in ([1], [128], [5, 17, 16, 33, 200, 1, 64]):
+        q, kc, vc, tables, ctx = _paged_case(g, dtype, kv_dtype, lens, H=H, KV=KV, D=D)
+        out = fused.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+        ref = reference.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+        # float32 throughout against the reference's matmuls in dtype: float32 rounding, or bf16's
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        # the exact answer, in float64 per row: the fused kernel is at least as close to it as the reference
+        exact = _exact_attention(q, kc, vc, tables, ctx, 0.125)
+        assert (out.double() - exact).abs().max() <= (ref.double() - exact).abs().max() + 1e-6
+
+
+def _exact_attention(q, kc, vc, tables, lens, scale):
+    B, H, D = q.shape
+    KV, _, bs, _ = kc.shape
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        slots = [int(tables[b, t // bs]) * bs + t % bs for t in range(n)]
+        k = kc.double().reshape(KV, -1, D)[:, slots]  # [KV, n, D]
+        v = vc.double().reshape(KV, -1, D)[:, slots]
+        qb = q[b].double().view(KV, H // KV, D)
+        p = torch.softmax(qb @ k.transpose(1, 2) * scale, dim=-1)
+        out[b] = (p @ v).reshape(H, D)
+    return out
+
+
+def test_paged_decode_attention_with_a_strided_query(fused):
+    """The model passes q as a view into the fused qkv rows (row stride = the qkv width)."""
+    g = torch.Generator().manual_seed(5)
+    q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [9, 40])
+    wide = torch.randn(2, 9 * 64 + 2 * 3 * 64, generator=g)
+    wide[:, :9 * 64] = q.reshape(2, -1)
+    view = wide[:, :9 * 64].view(2, 9, 64)
+    assert not view.is_contiguous()
+    torch.testing.assert_close(fused.paged_decode_attention(view, kc, vc, tables, ctx, 0.125),
+                               fused.paged_decode_attention(q, kc, vc, tables, ctx, 0.125), atol=0, rtol=0)
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds(fused):
+    g = torch.Generator().manual_seed(6)
+    q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [20])
+    with pytest.raises(RuntimeError, match="block id"):
+        fused.paged_decode_attention(q, kc, vc, torch.full_like(tables, 10_000), ctx, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        fused.paged_decode_attention(q, kc, vc, tables, torch.tensor([999], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        fused.paged_decode_attention(q, kc, vc, tables.long(), ctx, 1.0)
+    qkv = torch.randn(2, (9 + 6) * 64)
+    with pytest.raises(RuntimeError, match="slot"):
+        fused.rope_kv_write(qkv, torch.tensor([0, 1]), torch.ones(4, 64), torch.ones(4, 64), kc, vc,
+                            torch.tensor([0, 10 ** 9]), 9, 3)
+    with pytest.raises(RuntimeError, match="position"):
+        fused.rope_kv_write(qkv, torch.tensor([0, 4]), torch.ones(4, 64), torch.ones(4, 64), kc, vc,
+                            torch.tensor([0, 1]), 9, 3)
+
+
+def test_select():
+    assert kernels.select("cpu", torch.float32, torch.float32, "reference") is kernels.REFERENCE
+    assert kernels.select("cpu", torch.bfloat16, torch.bfloat16).decode_in_place
+    # a float8 cache: the KV ops stay references, the others fused
+    fp8 = kernels.select("cpu", torch.bfloat16, torch.float8_e4m3fn)
+    assert not fp8.decode_in_place and fp8.rope_kv_write is reference.rope_kv_write
+    assert fp8.add_rms_norm is not reference.add_rms_norm
+    assert kernels.select("meta", torch.float32, torch.float32) is kernels.REFERENCE
+    with pytest.raises(ValueError, match="no fused kernels"):
+        kernels.select("meta", torch.float32, torch.float32, "fused")
+    with pytest.raises(ValueError, match="unknown kernels mode"):
+        kernels.select("cpu", torch.float32, torch.float32, "fast")
+
+
+def test_the_build_is_keyed_by_this_cpu_and_cached(tmp_path, monkeypatch):
+    """A build for another CPU (another key) is never loaded, and an existing build is not compiled again."""
+    compiler = build._compiler()
+    key = build.build_key(compiler)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "fpu sse2 avx2")
+    assert build.build_key(compiler) != key
+    monkeypatch.undo()
+    lib = build.build()  # already built by make setup: returns at once
+    assert lib.parent.name == key and lib.exists()
