@@ -65,7 +65,15 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def run_here(self) -> None:
+        """Runs the loop on the calling thread until it ends (drained after stop(), or crashed: on_crash). The
+        worker runs it on its main thread, the one that built the engine (torch's OpenMP pool belongs to it)."""
+        self._thread = threading.current_thread()
+        self._run()
+
     def join(self, timeout: float | None = None) -> bool:
+        if self._thread is threading.current_thread():  # run_here(): it has returned by the time this thread runs
+            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

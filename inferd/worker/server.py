@@ -117,10 +117,24 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         """Serves until shutdown is requested, then waits for the engine loop to finish and closes."""
-        self.loop.start()
         threading.Thread(target=self._send_heartbeats, name="inferd-heartbeat", daemon=True).start()
+        acceptor = threading.Thread(target=self._accept_connections, name="inferd-accept", daemon=True)
         print(f"READY tcp://{self.host}:{self.port}", flush=True)
         log.info("worker %s serving %s on %s:%d", self.hello.worker_id, self.hello.model, self.host, self.port)
+        acceptor.start()
+        # the engine steps on this thread, the one that built the engine: torch's OpenMP pool is this thread's. A
+        # step run from a second thread (a second OpenMP team beside the idle first one) measured 23-24 ms against
+        # 16-17 ms per batch-1 decode step (docs/benchmarks.md, issue 14)
+        self.loop.run_here()
+        self._shutdown.set()  # the loop ended (drained, or crashed): stop accepting
+        acceptor.join()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+        log.info("worker %s stopped", self.hello.worker_id)
+
+    def _accept_connections(self) -> None:
         while not self._shutdown.is_set():
             try:
                 sock, address = self.listener.accept()
@@ -128,12 +142,6 @@ class WorkerServer:
                 continue
             self._adopt(sock, address)
         self.listener.close()
-        self.loop.join()
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
-        log.info("worker %s stopped", self.hello.worker_id)
 
     def request_shutdown(self, grace_period: float = 0.0) -> None:
         """Drain: new requests are refused (retryable), in-flight ones get grace_period seconds, then the rest are
