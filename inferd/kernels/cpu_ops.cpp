@@ -290,6 +290,25 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // [B, max_blocks]; context_lens int32 [B]. Each (sequence, KV head) is one task: the G = H / KV query heads that
 // share the KV head score every key of the context (read where it lies: no gathered copy, no padding, no mask),
 // softmax in float32, and the weighted sum of the values.
+// softmax in place over each of G rows of L scores (float32)
+inline void softmax_rows(float* scores, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = exp_f32(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+  }
+}
+
 template <typename C>
 inline float dot_qk(const float* qf, const C* k, int64_t D) {
   float s = 0.f;
@@ -335,21 +354,7 @@ void attn_task_bf16_d64(const uint16_t* q, const uint16_t* kh, const uint16_t* v
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      sg[t] = exp_f32(sg[t] - m);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores, G, L);
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
@@ -436,21 +441,7 @@ void decode_attention_kernel(const T* q, int64_t q_row_stride, const C* kc, cons
           for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot_qk(qf.data() + g * D, k, D) * scale;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = exp_f32(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
+      softmax_rows(scores.data(), G, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const C* vb = vh + static_cast<int64_t>(table[blk]) * bs * D;

@@ -160,30 +160,43 @@ QUALITY_TEXT = (
     "    for _ in range(n):\n        a, b = b, a + b\n    return a\n")
 
 
-def test_int8_next_token_distributions_stay_close_to_bf16(smollm2_gguf_path, smollm2_tokenizer):
+def quantized_quality(gguf_path, tokenizer, mode: str):
     """SmolLM2 in bf16 (real distributions: a random tiny model's near-flat logits would make top-1 a coin toss),
-    teacher-forced over a fixed text, before and after quantizing the same model in place; then the int8 decode
-    path (_weight_int8pack_mm, one row per step) against the int8 prefill path on the same tokens."""
-    model, cfg, _ = load_model(smollm2_gguf_path, dtype=torch.bfloat16)
+    teacher-forced over a fixed text, before and after quantizing the same model in place: (the quantized engine,
+    top-1 agreement, mean KL(bf16 || quantized))."""
+    model, cfg, _ = load_model(gguf_path, dtype=torch.bfloat16)
     config = EngineConfig(dtype="bfloat16", kv_cache_bytes=32 << 20, max_model_len=512, record_logits=True)
-    ids = smollm2_tokenizer.encode(QUALITY_TEXT)
+    ids = tokenizer.encode(QUALITY_TEXT)
     ref = teacher_forced_logits(Engine(model, cfg, config, torch.bfloat16), ids)
-    quantize_model(model, "int8")
+    quantize_model(model, mode)
     engine = Engine(model, cfg, config, torch.bfloat16)
     top1, kl = compare(ref, teacher_forced_logits(engine, ids))
-    print(f"\n{len(ids)} positions: top-1 agreement {top1:.3f}, mean KL(bf16 || int8) {kl:.4f} nats")
+    print(f"\n{len(ids)} positions: top-1 agreement {top1:.3f}, mean KL(bf16 || {mode}) {kl:.4f} nats")
+    return engine, top1, kl
+
+
+def decode_vs_prefill(engine, tokenizer) -> tuple[float, float]:
+    """Greedy "The capital of France is" (must say Paris); then the logits its one-row decode steps sampled from
+    against a prefill of the same tokens (another kernel path): (top-1 agreement, mean KL)."""
+    prompt = tokenizer.encode("The capital of France is")
+    [req] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert "Paris" in tokenizer.decode(req.output_token_ids)
+    decode = torch.stack(req.debug_logits[1:])  # rows sampled by one-token decode steps
+    prefill = teacher_forced_logits(engine, req.prompt_token_ids + req.output_token_ids[:-1])[len(prompt):]
+    top1, kl = compare(prefill, decode)
+    print(f"decode vs prefill path: top-1 agreement {top1:.3f}, mean KL {kl:.5f} nats")
+    return top1, kl
+
+
+def test_int8_next_token_distributions_stay_close_to_bf16(smollm2_gguf_path, smollm2_tokenizer):
+    """int8 against bf16; then the int8 decode path (_weight_int8pack_mm, one row per step) against the int8
+    prefill path on the same tokens."""
+    engine, top1, kl = quantized_quality(smollm2_gguf_path, smollm2_tokenizer, "int8")
     # measured: top-1 0.95-0.97, mean KL ~0.007 nats. int8 noise is well above zero; a wrong scale or transposed
     # weight would be far beyond these bounds
     assert top1 >= 0.85
     assert 1e-4 < kl < 0.05
-
-    prompt = smollm2_tokenizer.encode("The capital of France is")
-    [req] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert "Paris" in smollm2_tokenizer.decode(req.output_token_ids)
-    decode = torch.stack(req.debug_logits[1:])  # rows sampled by one-token decode steps
-    prefill = teacher_forced_logits(engine, req.prompt_token_ids + req.output_token_ids[:-1])[len(prompt):]
-    top1, kl = compare(prefill, decode)
-    print(f"int8 decode vs prefill path: top-1 agreement {top1:.3f}, mean KL {kl:.5f} nats")
+    top1, kl = decode_vs_prefill(engine, smollm2_tokenizer)
     # measured 0.86-1.0 and ~0.002 nats: bf16 rounding differs between the two kernels (the unquantized bf16 model
     # shows the same KL between its decode and prefill paths); a near-tie may flip a top-1
     assert top1 >= 0.75 and kl < 0.01
@@ -275,25 +288,12 @@ def test_int4_engine_generates_and_its_two_paths_agree(tiny_llama_dir):
 
 
 def test_int4_next_token_distributions_stay_close_to_bf16(smollm2_gguf_path, smollm2_tokenizer):
-    """The default model's weights are Q4_1 already: int4 with 32-value groups serves them (up to the scales'
-    bf16 rounding), so its distributions must be close to the bf16 model's; the single-row path (the int4 kernel) and
+    """The default model's layers are Q4_1 already: int4 with 32-value groups serves them (up to the scales' bf16
+    rounding), so its distributions must be close to the bf16 model's; the single-row path (the int4 kernel) and
     the batched path (the dequantized weights) must agree too."""
-    model, cfg, _ = load_model(smollm2_gguf_path, dtype=torch.bfloat16)
-    config = EngineConfig(dtype="bfloat16", kv_cache_bytes=32 << 20, max_model_len=512, record_logits=True)
-    ids = smollm2_tokenizer.encode(QUALITY_TEXT)
-    ref = teacher_forced_logits(Engine(model, cfg, config, torch.bfloat16), ids)
-    quantize_model(model, "int4")
-    engine = Engine(model, cfg, config, torch.bfloat16)
-    top1, kl = compare(ref, teacher_forced_logits(engine, ids))
-    print(f"\n{len(ids)} positions: top-1 agreement {top1:.3f}, mean KL(bf16 || int4) {kl:.4f} nats")
-    # measured: top-1 0.98, KL 0.004 nats (the layers' Q4_1 grid is recovered; the head stays bf16). A 4-bit head
+    engine, top1, kl = quantized_quality(smollm2_gguf_path, smollm2_tokenizer, "int4")
+    # measured: top-1 0.97, KL 0.0026 nats (the layers' Q4_1 grid is recovered; the head keeps bf16). A 4-bit head
     # gave 0.037 nats; wrong codes or scales would be far beyond
     assert top1 >= 0.9 and kl < 0.02
-    prompt = smollm2_tokenizer.encode("The capital of France is")
-    [req] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert "Paris" in smollm2_tokenizer.decode(req.output_token_ids)
-    decode = torch.stack(req.debug_logits[1:])  # one-row steps: the int4 kernel
-    prefill = teacher_forced_logits(engine, req.prompt_token_ids + req.output_token_ids[:-1])[len(prompt):]
-    top1, kl = compare(prefill, decode)
-    print(f"int4 decode (int4 kernel) vs prefill (dequantized weights): top-1 {top1:.3f}, mean KL {kl:.5f} nats")
+    top1, kl = decode_vs_prefill(engine, smollm2_tokenizer)  # measured: top-1 0.93-1.0, KL 0.0009-0.0016 nats
     assert top1 >= 0.75 and kl < 0.01
