@@ -51,30 +51,35 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     return int(ids[min(idx, int((probs > 0).sum()) - 1)])
 
 
-SAMPLE_TOP_FIRST = 256  # candidates a batched draw orders first; a draw past their mass sorts the whole row
+SAMPLE_TOP_FIRST = 256  # candidates a batched draw orders first; rows it cannot resolve try 16x as many, and so on
+SAMPLE_TOP_GROWTH = 16
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[float]) -> list[int]:
-    """sample_row for several rows at once without sorting each whole vocabulary: one batched topk takes every row's
-    SAMPLE_TOP_FIRST most likely tokens (sorted, as sample_row's sort), which hold nearly all of a trained model's
-    mass (SmolLM2 at temperature 1: median 0.994); the draw is resolved among them, and only a row whose draw lands
-    past them, or whose top-p cut does, is sorted in full (sample_row). The same draw semantics as sample_row: the
-    CDF over tokens sorted by probability after temperature, top-k and top-p. Its float sums are taken in another
-    order (a token moves only for a draw within a few ulps of a CDF boundary), and tokens of exactly equal
-    probability may be ordered otherwise than a full sort orders them. Each row's result depends on that row alone.
-    64 rows of SmolLM2's 49,152-token vocabulary: ~7 ms plus ~4 ms per row that falls back, against ~3.7 ms per
-    row for sample_row (docs/benchmarks.md)."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[float],
+                first: int = SAMPLE_TOP_FIRST) -> list[int]:
+    """The draws of several rows at once without sorting each whole vocabulary: one batched topk takes every row's
+    `first` most likely tokens, which hold nearly all of a trained model's mass (SmolLM2 at temperature 1: median
+    0.994 for 256), in a canonical order (probability descending, then token id); the draw is resolved among them,
+    and the rows whose draw, top-k cut or top-p cut lands past the trusted candidates are drawn again among
+    SAMPLE_TOP_GROWTH times as many, up to the whole vocabulary. The draw semantics are sample_row's: the CDF over
+    tokens sorted by probability after temperature, top-k and top-p. Its float sums are taken in another order (a
+    token moves only for a draw within a few ulps of a CDF boundary), and tokens of exactly equal probability are
+    ordered by token id (sample_row's sort orders them arbitrarily). Each row's token depends on that row alone.
+    64 rows of SmolLM2's vocabulary: ~9 ms against ~180 ms for a sort per row (docs/benchmarks.md)."""
     R, V = logits.shape
     dev = logits.device
-    k = min(V, max([SAMPLE_TOP_FIRST] + [p.top_k for p in params]))
+    k = min(V, max([first] + [p.top_k for p in params]))
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-    vals, ids = torch.topk(probs, k, dim=-1)
-    # a canonical order, probability descending then token id: topk's order of equal values depends on the batch
-    by_id = torch.argsort(ids, dim=-1)
-    vals, ids = vals.gather(-1, by_id), ids.gather(-1, by_id)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-    vals, ids = vals.gather(-1, order), ids.gather(-1, order)
+    if k == V:  # the whole vocabulary: a stable sort is the canonical order (probability, then token id)
+        vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    else:
+        vals, ids = torch.topk(probs, k, dim=-1)
+        # a canonical order, probability descending then token id: topk's order of equal values depends on the batch
+        by_id = torch.argsort(ids, dim=-1)
+        vals, ids = vals.gather(-1, by_id), ids.gather(-1, by_id)
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+        vals, ids = vals.gather(-1, order), ids.gather(-1, order)
     # candidates equal to the last one may be part of a group of equal values that the cut at k splits (which of
     # its members topk kept depends on the batch): only the positions before that group are trusted
     trusted = (vals > vals[:, -1:]).sum(-1) if k < V else torch.full((R,), V, device=dev)
@@ -94,14 +99,19 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[flo
     target = torch.tensor(us, dtype=torch.float32, device=dev) * ends
     idx = torch.searchsorted(cdf, target[:, None].contiguous(), right=True).squeeze(1)
     nonzero = (vals > 0).sum(-1)
-    tokens = []
+    tokens: list[int] = [0] * R
+    again = []  # rows these candidates cannot resolve: the draw, the top-k cut or the top-p cut past the trusted
     rows = zip(idx.tolist(), nonzero.tolist(), inside.tolist(), trusted.tolist(), params)
     for r, (i, n, whole, t, p) in enumerate(rows):
-        # the draw, the top-k cut or the top-p cut past the trusted candidates (or a top-p cut past them all)
-        if (not whole and p.top_p < 1.0) or i >= t or (whole and n > t) or (0 < p.top_k and p.top_k > t):
-            tokens.append(sample_row(logits[r], p, us[r]))
+        if k < V and ((not whole and p.top_p < 1.0) or i >= t or (whole and n > t) or (0 < p.top_k and p.top_k > t)):
+            again.append(r)
         else:
-            tokens.append(int(ids[r, min(i, n - 1)]))
+            tokens[r] = int(ids[r, min(i, n - 1)])
+    if again:  # SAMPLE_TOP_GROWTH times as many candidates, up to the whole vocabulary (every candidate trusted)
+        drawn = sample_rows(logits[again], [params[r] for r in again], [us[r] for r in again],
+                            min(V, k * SAMPLE_TOP_GROWTH))
+        for r, token in zip(again, drawn):
+            tokens[r] = token
     return tokens
 
 

@@ -50,19 +50,23 @@ def test_a_row_draws_the_same_token_whatever_it_is_batched_with():
     assert together == alone == reversed_batch
 
 
-def test_only_draws_past_the_candidates_sort_the_whole_row(monkeypatch):
-    """Peaked distributions (a trained model's): draws inside the candidates' mass never take the full sort."""
+def test_only_draws_past_the_candidates_take_more_of_them(monkeypatch):
+    """Peaked distributions (a trained model's): draws inside the first candidates' mass are resolved there; a draw
+    past them is drawn again among SAMPLE_TOP_GROWTH times as many (and equals sample_row's)."""
     import inferd.engine.sampler as sampler
 
     calls = []
-    real = sampler.sample_row
-    monkeypatch.setattr(sampler, "sample_row", lambda *a: calls.append(1) or real(*a))
+    real = sampler.sample_rows
+    monkeypatch.setattr(sampler, "sample_rows", lambda *a: calls.append(len(a[1])) or real(*a))
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(32, 49152, generator=g) * 6  # the top 256 of 49,152 hold nearly all of the mass
     params = [SamplingParams(max_tokens=1, temperature=1.0)] * 32
     mass = torch.topk(torch.softmax(logits, -1), SAMPLE_TOP_FIRST).values.sum(-1)
     us = [0.5 * float(m) for m in mass]  # inside every row's candidates
-    sample_rows(logits, params, us)
-    assert not calls
-    sample_rows(logits[:1], params[:1], [min(1.0, float(mass[0]) + 1e-4)])  # past them: the full sort
-    assert len(calls) == 1
+    sampler.sample_rows(logits, params, us)
+    assert calls == [32]
+    calls.clear()
+    u = min(0.999999, float(mass[0]) + 1e-4)  # past them: one more round, for that row only
+    [token] = sampler.sample_rows(logits[:1], params[:1], [u])
+    assert calls == [1, 1]
+    assert token == sample_row(logits[0], params[0], u) or near_boundary(logits[0], params[0], u)
