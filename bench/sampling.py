@@ -1,7 +1,10 @@
 """The sampler's batched draw (sample_rows) against one full sort per row (sample_row), on real logits: the default
 model in bf16, teacher-forced over a text, its last 64 positions.
 
-    .venv/bin/python bench/sampling.py
+    .venv/bin/python bench/sampling.py [--steps]
+
+--steps also times whole decode steps of 32 sequences on random-token prompts (flat next-token distributions: the
+worst case for the batched draw), greedy against temperature 1.
 """
 
 from __future__ import annotations
@@ -33,7 +36,26 @@ def timed(f, n: int = 3) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
+def engine_steps() -> None:
+    for temperature in (0.0, 1.0):
+        engine = Engine.from_config(EngineConfig(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=512,
+                                                 max_model_len=1024, enable_prefix_caching=False, detokenize=False))
+        for i in range(32):
+            engine.add_request([(7 + 131 * i + 17 * j) % 49152 for j in range(60)],
+                               SamplingParams(max_tokens=200, temperature=temperature, ignore_eos=True))
+        for _ in range(12):  # prefill, then a few decode steps
+            engine.step()
+        t = time.perf_counter()
+        for _ in range(10):
+            engine.step()
+        print(f"32 rows, random-token prompts, temperature {temperature:g}: "
+              f"{(time.perf_counter() - t) / 10 * 1000:.1f} ms per decode step")
+        engine.close()
+
+
 def main() -> int:
+    if "--steps" in sys.argv[1:]:
+        engine_steps()
     engine = Engine.from_config(EngineConfig(dtype="bfloat16", kv_cache_bytes=64 << 20, max_model_len=1024))
     ids = engine.tokenizer.encode(TEXT)
     with torch.inference_mode():
