@@ -195,3 +195,35 @@ def test_the_build_is_keyed_by_this_cpu_and_cached(tmp_path, monkeypatch):
     monkeypatch.undo()
     lib = build.build()  # already built by make setup: returns at once
     assert lib.parent.name == key and lib.exists()
+
+
+def test_without_a_working_compiler_the_references_run(tmp_path, monkeypatch):
+    """A failed build (here: a "compiler" that fails) is an error from build() and False from load(), whose
+    caller (kernels.select) then runs the references; INFERD_KERNELS=reference never loads the library."""
+    monkeypatch.setenv("INFERD_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(RuntimeError, match="failed"):
+        build.build()
+    assert not list(tmp_path.glob("*/*.so"))  # nothing half-written is left to be loaded
+    monkeypatch.setattr(build, "_state", {})
+    assert build.load() is False and "failed" in build.error()
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv(build.DISABLE_ENV, "reference")
+    assert build.load() is False and build.error() == "INFERD_KERNELS=reference"
+
+
+def test_the_kernels_flag_reaches_the_engine_and_the_workers():
+    import argparse
+
+    from inferd.cli import add_engine_args, engine_config, worker_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).kernels == "auto"
+    args = p.parse_args(["--kernels", "reference"])
+    assert engine_config(args).kernels == "reference"
+    args.heartbeat_interval, args.echo = 0.5, False
+    out = worker_args(args, "m")
+    assert out[out.index("--kernels") + 1] == "reference"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kernels", "fast"])
