@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gw import bearer, completion, make_keys
-from servers import sse_data
+from servers import iter_sse, sse_data
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,30 +82,87 @@ def test_a_light_tenant_is_not_stuck_behind_a_heavy_one(serve, fair_keys, policy
 
 @pytest.fixture(scope="module")
 def tiny_keyed(serve, tmp_path_factory):
-    """A real (tiny) model, two batch slots, no worker queue: the line holds the rest."""
+    """A real (tiny) model, two batch slots, no worker queue: the line holds the rest. The heartbeat timeout is
+    long so that a worker the test freezes for a moment is not given up."""
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = make_keys(path, {"bulk": {"tier": "batch"}, "vip": {"tier": "interactive"}, "std": {}, "std2": {}})
     server = serve("--keys", str(path), "--max-num-seqs", "2", "--worker-queue-depth", "0", "--sse-keepalive",
-                   "0.05", echo=False, name="tiny-prio")
+                   "0.05", "--heartbeat-timeout", "120", "--max-model-len", "1024", echo=False, name="tiny-prio")
     return server, keys
 
 
+class LongStream:
+    """A streamed batch request of `max_tokens` tokens (EOS ignored) read to its end on a thread; `started` is set
+    at its first token (it is then running on the worker), `usage` holds the final usage chunk."""
+
+    def __init__(self, server, key: str, prompt, max_tokens: int):
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.usage: dict | None = None
+        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        self.thread = threading.Thread(target=self._run, args=(server, key, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, server, key, body) -> None:
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=bearer(key),
+                              timeout=120) as r:
+                self.status = r.status_code
+                for event in iter_sse(r):
+                    if isinstance(event, dict) and event.get("choices"):
+                        self.started.set()
+                    if isinstance(event, dict) and event.get("usage"):
+                        self.usage = event["usage"]
+        finally:
+            self.started.set()  # a failure shows in status/usage, not as a hang
+
+    def join(self) -> None:
+        self.thread.join(timeout=120)
+
+
 def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_keyed):
+    """Two long batch streams hold both slots (each has produced a token, so each runs on the worker with ~900 to
+    go) and eight more batch requests wait in the line. The worker is frozen while the interactive request is
+    bound to it, so that it meets both streams still running whatever the machine's speed: it must be dispatched
+    before every waiting batch request, and the engine must preempt a stream for it, which then completes."""
     server, keys = tiny_keyed
+    [worker] = server.worker_pids()
     preempted_before = server.metrics().get('inferd_preemptions_total{model="tiny"}', 0.0)
-    bulk = ClosedLoop(server, keys["bulk"], [33] * 8, 200, concurrency=8, ignore_eos=True)
+    streams = [LongStream(server, keys["bulk"], [33] * 8, 900) for _ in range(2)]
+    for s in streams:
+        assert s.started.wait(60) and s.status == 200, s.status
+    bulk = ClosedLoop(server, keys["bulk"], [33] * 8, 16, concurrency=8, ignore_eos=True)
+    frozen = False
     try:
         server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="batch"}', 0) >= 5)
-        vip = completion(server, keys["vip"], [44] * 8, 8, ignore_eos=True)
+        bound = server.metrics().get("inferd_queue_wait_seconds_count", 0.0)
+        os.kill(worker, signal.SIGSTOP)
+        frozen = True
+        result: list[httpx.Response] = []
+        vip_thread = threading.Thread(target=lambda: result.append(completion(server, keys["vip"], [44] * 8, 8,
+                                                                              ignore_eos=True)))
+        vip_thread.start()
+        server.wait_metrics(lambda m: m.get("inferd_queue_wait_seconds_count", 0) >= bound + 1)  # vip bound
+        os.kill(worker, signal.SIGCONT)
+        frozen = False
+        vip_thread.join(timeout=60)
+        [vip] = result
         assert vip.status_code == 200, vip.text
         assert vip.headers["x-inferd-dispatched-ahead"] == "0"  # before every batch request still waiting
         assert vip.headers["x-inferd-tier"] == "interactive"
         assert vip.json()["usage"]["completion_tokens"] == 8
-        # the worker was full of batch work: it preempted one for the interactive request
+        # the worker was full of batch work: it preempted a stream for the interactive request
         server.wait_metrics(lambda m: m['inferd_preemptions_total{model="tiny"}'] >= preempted_before + 1)
     finally:
+        if frozen:
+            os.kill(worker, signal.SIGCONT)
         bulk.close()
-    assert set(bulk.statuses) == {200}  # the preempted request was recomputed and completed
+        for s in streams:
+            s.join()
+    assert set(bulk.statuses) == {200}
+    # the preempted stream was recomputed and completed, every token of it
+    assert [s.usage["completion_tokens"] if s.usage else None for s in streams] == [900, 900]
 
 
 @pytest.fixture(scope="module")
