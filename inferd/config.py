@@ -12,7 +12,11 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16, ~91k in float8
 DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # token budget of one step (decodes + prefill chunks)
+# token budget of one step (decodes + prefill chunks). 256, not 512: when many prompts arrive at once (a closed loop
+# of 16 or 32 streams on a 2-core CPU, docs/benchmarks.md), smaller prefill chunks let the first of them start
+# decoding a step sooner; TTFT p50 at c=16 340-388 ms against 432-520, at c=32 439-469 against 774-819, output
+# tok/s equal or higher. Per step the weights are read once, so much smaller chunks (128) cost throughput.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 SPECULATIVE_METHODS = ("ngram",)  # `--speculative`: prompt lookup (inferd/engine/speculative.py)
 DEFAULT_NUM_DRAFT = 4  # `--num-draft`: draft tokens verified per step per sequence
 DEFAULT_NGRAM_MIN = 2  # `--ngram-min`: shortest suffix looked up (1 proposes on any repeated token)

@@ -31,6 +31,9 @@ def fused_cpu() -> types.SimpleNamespace | None:
 
     if not build.load():
         return None
+    from . import fake
+
+    fake.register()  # torch.compile can trace a step that calls them (bench/compile_step.py)
     ops = torch.ops.inferd
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,

@@ -154,6 +154,24 @@ def test_paged_decode_attention_with_a_strided_query(fused):
                                fused.paged_decode_attention(q, kc, vc, tables, ctx, 0.125), atol=0, rtol=0)
 
 
+def test_the_fake_kernels_agree_with_the_ops(fused):
+    """torch.library.opcheck: schema (what each op mutates), fake kernel (shapes, dtypes) and autograd registration
+    against real calls, so that torch.compile traces them as they run (bench/compile_step.py)."""
+    g = torch.Generator().manual_seed(9)
+    rows, n = 3, 64
+    x, res, w = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    torch.library.opcheck(torch.ops.inferd.add_rms_norm, (x, res, w, 1e-5))
+    torch.library.opcheck(torch.ops.inferd.add_rms_norm, (None, res, w, 1e-5))
+    torch.library.opcheck(torch.ops.inferd.silu_mul, (torch.randn(rows, 2 * n, generator=g),))
+    q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [5, 33])
+    torch.library.opcheck(torch.ops.inferd.paged_decode_attention, (q, kc, vc, tables, ctx, 0.125))
+    H, KV, D, T = 9, 3, 64, 4
+    tab = torch.randn(64, D, generator=g)
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
+    torch.library.opcheck(torch.ops.inferd.rope_kv_write,
+                          (qkv, torch.arange(T), tab.cos(), tab.sin(), kc, vc, torch.randperm(64 * 16)[:T], H, KV))
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds(fused):
     g = torch.Generator().manual_seed(6)
     q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [20])
