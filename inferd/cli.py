@@ -24,7 +24,7 @@ from .config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_WORKERS, DEFAULT_MI
 from .config import (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_SPECULATIVE_MAX_BATCH,
                      MAX_NUM_DRAFT, SPECULATIVE_METHODS)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
-                     DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                     DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
@@ -51,8 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's storage dtype (auto: the activations'); bfloat16 or float8_e4m3fn hold 2x or "
                         "4x the tokens of fp32 in --kv-cache-bytes, attention still computes in --dtype")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
-                   help="size of the KV cache pool (default 1G)")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
+                   help="size of the KV cache pool (default: 1G on a CPU; on CUDA what the card has left after the "
+                        "weights and a profiled step, within --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help="on CUDA without --kv-cache-bytes: the share of the card this worker may fill (weights, KV "
+                        "pool, activations)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="running sequences per step")
@@ -66,10 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "needs --dtype bfloat16 or float16); int4: 4-bit codes with a scale and minimum per 32 "
                         "values (GGUF Q4_1's scheme) read by single-stream decode steps, ~3x faster there on a "
                         "CPU; batched steps use the dequantized weights (no memory saved)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "fused", "reference"],
+    p.add_argument("--kernels", default="auto", choices=["auto", "fused", "reference", "triton"],
                    help="the step's operators: auto = the fused CPU kernels (inferd/kernels, built for this CPU) "
-                        "where they apply, else the plain torch references; fused = refuse to start without them; "
-                        "reference = the torch references only")
+                        "where they apply, the Triton attention kernels on CUDA, else the plain torch references; "
+                        "fused = refuse to start without them; reference = the torch references only; triton = the "
+                        "Triton attention kernels (on a CPU only under TRITON_INTERPRET=1: for tests)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at start")
     p.add_argument("--batch-invariant", action="store_true",
@@ -93,7 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                         block_size=args.block_size,
-                        kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                        kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                         quantize=args.quantize, kernels=args.kernels, speculative=args.speculative,
@@ -187,9 +193,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
     """The engine options of `inferd serve`, as `inferd worker` arguments."""
     out = ["--model", model_path, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--device", args.device,
-           "--kv-cache-bytes", str(args.kv_cache_bytes), "--block-size", str(args.block_size),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--block-size", str(args.block_size),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--heartbeat-interval", str(args.heartbeat_interval)]
+    if args.kv_cache_bytes is not None:
+        out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22k tokens of SmolLM2's KV in fp32, ~44k in bf16, ~91k in float8
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # of the whole card (weights, KV pool, steps) when the pool is sized from it
 DEFAULT_MAX_NUM_SEQS = 64  # running sequences per step
 # token budget of one step (decodes + prefill chunks). 256, not 512: when many prompts arrive at once (a closed loop
 # of 16 or 32 streams on a 2-core CPU, docs/benchmarks.md), smaller prefill chunks let the first of them start
@@ -139,7 +140,10 @@ class EngineConfig:
     kv_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    # the KV pool's bytes (per device); None: DEFAULT_KV_CACHE_BYTES on a CPU, and on CUDA what the card has left
+    # after the weights and a profiled step, within gpu_memory_utilization of the card (inferd/engine/memory.py)
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's own context length

@@ -14,6 +14,10 @@ CACHE_DIR = REPO / ".cache"
 os.environ.setdefault("INFERD_CACHE_DIR", str(CACHE_DIR / "inferd"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the Triton kernels (inferd/kernels/triton_*.py) run on CPU tensors under Triton's interpreter. It must be on before
+# triton is first imported: @triton.jit picks interpreted or compiled at decoration time, triton's own tl.* helpers
+# included (setting it later and reloading our modules is not enough)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

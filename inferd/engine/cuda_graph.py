@@ -5,9 +5,11 @@ small kernels from Python. A CUDA graph records one step's kernels once and repl
 for fixed shapes and fixed memory addresses. So a step whose rows are all one-token decodes that sample runs here on
 a static-shape path:
 
-- its batch is padded up to the next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs), and its block tables to
-  the next of a few context buckets (powers of two of blocks, up to the blocks max_model_len needs); one graph per
-  (batch, blocks) pair, captured largest first into one shared memory pool;
+- its batch is padded up to the next size of a ladder (1, 2, 4, 8, ... up to max_num_seqs); with a decode kernel that
+  reads the block tables in place (the Triton kernel on CUDA) the tables have one width, that of max_model_len, and
+  there is one graph per batch size; with the reference attention, which gathers the whole padded table, the tables
+  are padded to the next of a few context buckets (powers of two of blocks) and there is one graph per (batch,
+  blocks) pair; all captured largest first into one shared memory pool;
 - every input lives in one preallocated buffer (token ids, positions, cache slots, context lengths, the block table
   flattened as [batch, blocks]): a step only copies its values in (one host-to-device copy from pinned memory) and
   replays. Inside the captured region nothing depends on the step's values: no Python-side shape decision, no
@@ -90,8 +92,16 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         max_blocks = -(-max_model_len // bs)
         self.batch_sizes = sorted(batch_sizes or batch_ladder(max_batch))
-        self.buckets = sorted(buckets or context_buckets(max_blocks, -(-MIN_CONTEXT_BUCKET_TOKENS // bs)))
+        # a decode kernel that reads the block tables in place (kernels: Triton on CUDA, the fused CPU op) does work
+        # in proportion to each row's own context, whatever the table's width: one width, the graphs keyed by batch
+        # size only; the reference gathers the whole padded table, so it keeps context buckets
+        self.in_place = bool(getattr(self.model, "ops", None) is not None and self.model.ops.decode_in_place)
+        default_buckets = ([max_blocks] if self.in_place
+                           else context_buckets(max_blocks, -(-MIN_CONTEXT_BUCKET_TOKENS // bs)))
+        self.buckets = sorted(buckets or default_buckets)
         limit = num_pool_blocks if max_gather_blocks is None else max_gather_blocks
+        if self.in_place and max_gather_blocks is None:
+            limit = max(self.batch_sizes) * max(self.buckets)  # nothing is gathered: every shape is kept
         self.shapes = {(b, c) for b in self.batch_sizes for c in self.buckets if b * c <= limit}
         if not self.shapes:
             raise ValueError(f"no decode shape fits max_gather_blocks={limit}")
@@ -205,12 +215,17 @@ class DecodeGraphs:
     def _forward(self, batch: int, blocks: int) -> None:
         """The captured region: shapes depend only on (batch, blocks), values only on the input buffer."""
         ids, positions, slots, lens, table = self._views(batch, blocks)
-        width = blocks * self.block_size
-        invalid = self._columns[:width].unsqueeze(0) >= lens.unsqueeze(1)  # [batch, width]
-        mask = torch.zeros((batch, width), dtype=self.dtype, device=self.device)
-        mask = mask.masked_fill_(invalid, float("-inf")).view(1, batch, 1, width)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
-                                 decode_groups=[DecodeGroup(0, batch, table, mask)])
+        if self.in_place:  # the kernel reads int32 tables and lengths in place; no mask
+            meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
+                                     decode_tables=table.view(batch, blocks).to(torch.int32),
+                                     decode_lens=lens.to(torch.int32))
+        else:
+            width = blocks * self.block_size
+            invalid = self._columns[:width].unsqueeze(0) >= lens.unsqueeze(1)  # [batch, width]
+            mask = torch.zeros((batch, width), dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(invalid, float("-inf")).view(1, batch, 1, width)
+            meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
+                                     decode_groups=[DecodeGroup(0, batch, table, mask)])
         hidden = self.model(ids, positions, meta, self.kv_caches)
         self.logits[:batch].copy_(self.model.compute_logits(hidden))
 

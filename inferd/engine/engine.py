@@ -18,6 +18,7 @@ from ..models.config import ModelConfig
 from .kv_cache import KVCacheManager
 from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
 from .cuda_graph import DecodeGraphs, wants_decode_graphs
+from .memory import resolve_kv_cache_bytes
 from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler, TokenLogprob, apply_penalties
 from ..telemetry.roofline import model_cost
@@ -110,10 +111,15 @@ class Engine:
         self.dtype = dtype
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # the cache's storage; attention computes in dtype
         self.tokenizer = tokenizer
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(torch.device(config.device))  # streams, events and graph pools on this card
+        if hasattr(model, "ops"):  # the fused kernels where they apply (inferd/kernels)
+            model.ops = kernels.select(config.device, dtype, self.kv_dtype, config.kernels)
+        self.kv_cache_bytes = resolve_kv_cache_bytes(model, model_config, config, dtype, self.kv_dtype)
         per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype, config.tensor_parallel)
-        num_blocks = config.kv_cache_bytes // per_block
+        num_blocks = self.kv_cache_bytes // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
         static = config.static_decode and num_blocks > 1  # the same path uncaptured (a CPU check of it)
@@ -121,8 +127,6 @@ class Engine:
         decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1 and not config.batch_invariant
         self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        if hasattr(model, "ops"):  # the fused kernels where they apply (inferd/kernels)
-            model.ops = kernels.select(config.device, dtype, self.kv_dtype, config.kernels)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel, kv_dtype=self.kv_dtype)
         if decode_graphs:
@@ -159,6 +163,8 @@ class Engine:
         check_batch_invariant(config)
         check_quantization(config.quantize, dtype)  # before anything loads or starts
         resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(torch.device(config.device))  # before anything lands on it (cuda:N, not cuda:0)
         if config.tensor_parallel != 1:
             from .tensor_parallel import load_tensor_parallel
 

@@ -108,6 +108,7 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
+        prefill_blocks: list[list[int]] = []
         for tokens, start, blocks, samples in rows:
             n = len(tokens)
             row = len(input_ids)
@@ -119,19 +120,38 @@ class ModelRunner:
                 decode_tables.append(blocks[:(start + bs) // bs])
             else:
                 used = -(-(start + n) // bs)
-                prefills.append(PrefillSeq(row, row + n, start,
-                                           torch.tensor(blocks[:used], dtype=torch.long, device=self.device)))
+                prefill_blocks.append(blocks[:used])
+                prefills.append(PrefillSeq(row, row + n, start, None))
             if samples:
                 logits_rows.extend(range(row + n - samples, row + n))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
         if self.batch_invariant:  # every query row over its own context (batch_invariant.py)
+            for p, blocks in zip(prefills, prefill_blocks):
+                p.block_ids = torch.tensor(blocks, dtype=torch.long, device=dev)
             meta.invariant = build_groups([(start, len(tokens), blocks) for tokens, start, blocks, _ in rows], bs, dev)
             return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
+        ops = getattr(self.model, "ops", REFERENCE_OPS)
+        if prefills and ops.prefill_varlen:  # every chunk in one call, reading the cache in place
+            # the chunks' rows follow the decode rows, in order (the scheduler puts one-token rows first)
+            if prefills[0].start != len(decode_lens) or any(a.end != b.start for a, b in zip(prefills, prefills[1:])):
+                raise RuntimeError("prefill chunks must follow the decode rows, contiguous, for the varlen kernel")
+            width = max(len(t) for t in prefill_blocks)
+            meta.prefill_tables = torch.tensor([t + [0] * (width - len(t)) for t in prefill_blocks],
+                                               dtype=torch.int32, device=dev)
+            cu = [0]
+            for p in prefills:
+                cu.append(cu[-1] + p.end - p.start)
+            meta.prefill_cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+            meta.prefill_context_lens = torch.tensor([p.num_cached + p.end - p.start for p in prefills],
+                                                     dtype=torch.int32, device=dev)
+        else:  # the per-sequence path (paged.prefill_attention) gathers each sequence's blocks
+            for p, blocks in zip(prefills, prefill_blocks):
+                p.block_ids = torch.tensor(blocks, dtype=torch.long, device=dev)
         # the fused decode kernel reads block tables in place; the reference gathers padded groups
-        if decode_lens and getattr(self.model, "ops", REFERENCE_OPS).decode_in_place:
+        if decode_lens and ops.decode_in_place:
             width = max(len(t) for t in decode_tables)
             meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
                                               device=dev)

@@ -28,7 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig, resolve_dtype, resolve_kv_dtype
+from ..config import (DEFAULT_KV_CACHE_BYTES, TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig,
+                      resolve_dtype, resolve_kv_dtype)
 from ..models.parallel import build_shard, check_tensor_parallel
 from .runner import ModelRunner, StepRow, kv_bytes_per_block
 
@@ -202,7 +203,8 @@ def load_tensor_parallel(path: str, config: EngineConfig, dtype: torch.dtype, pr
     tp = config.tensor_parallel
     check_tensor_parallel(model_config, tp)
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
-    num_blocks = config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, kv_dtype, tp)
+    # a rank's pool: --kv-cache-bytes, else the default (not yet sized from the card under tensor parallelism)
+    num_blocks = (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // kv_bytes_per_block(model_config, config.block_size, kv_dtype, tp)
     group = TensorParallelGroup.start(path, config, dtype, num_blocks)
     try:
         state = load_state_dict(path, model_config, dtype, progress)

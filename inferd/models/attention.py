@@ -31,7 +31,7 @@ class PrefillSeq:
     start: int  # first row of this sequence's chunk in the flattened batch
     end: int  # one past its last row
     num_cached: int  # tokens of context already in the cache before this chunk
-    block_ids: torch.Tensor  # [num_blocks_of_seq] long
+    block_ids: torch.Tensor | None  # [num_blocks_of_seq] long (None when the varlen kernel reads meta's tables)
 
 
 @dataclass
@@ -53,6 +53,12 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # with a varlen prefill kernel (ops.prefill_varlen: Triton): every prefill chunk of the step in one call, the
+    # chunks' rows [num_decode_tokens, T) in prefills' order: cumulative chunk lengths (int32 [S + 1], from 0),
+    # context lengths after the chunk (int32 [S]) and block tables (int32 [S, max_blocks], padded with block 0)
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
     # batch-invariant mode (inferd/models/batch_invariant.py): build_groups' (single-row groups, shared segments);
     # when set, decode_groups and prefills are not used
     invariant: tuple | None = None

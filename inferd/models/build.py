@@ -12,7 +12,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
                 device: str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, dtype)
-    model = model.to_empty(device=device).to(dtype)
+    # the dtype on the meta model, then memory on the device: each weight is allocated once, in its final dtype
+    # (to_empty then .to(dtype) held a float32 copy of the model on the device first: ~32 GB for an 8B model)
+    model = model.to(dtype).to_empty(device=device)
     model.rotary.build_tables(device)  # buffers are not in the checkpoint
     model.load_hf_state_dict(state_dict)
     model.eval().requires_grad_(False)

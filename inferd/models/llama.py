@@ -109,7 +109,11 @@ class Attention(nn.Module):
         else:
             parts.extend(decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
                          for g in meta.decode_groups)
-        if meta.prefills:
+        if meta.prefill_tables is not None:  # every chunk in one call, read from the cache in place
+            nd = meta.num_decode_tokens
+            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
+                                                     meta.prefill_context_lens, meta.prefill_tables, self.scale))
+        elif meta.prefills:
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
             for seq in meta.prefills:

@@ -12,7 +12,7 @@ peak FLOP/s. A step whose arithmetic intensity (FLOPs per byte) is under the rid
 bandwidth) is bound by memory, over it by compute.
 
 Peaks come from `--peak-bandwidth` / `--peak-flops`, else from a short calibration (a large copy; a 2048^3 matmul in
-the engine's dtype) run once per device (and thread count; FLOP/s per dtype) and cached in INFERD_CACHE_DIR (default
+the engine's dtype; on CUDA 2 GiB and 8192^3, each timed over 10 back-to-back runs) run once per device (and thread count; FLOP/s per dtype) and cached in INFERD_CACHE_DIR (default
 ~/.cache/inferd)/peaks.json: delete it to calibrate again.
 """
 
@@ -31,6 +31,19 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_COPY_BYTES = 256 << 20  # far over any L3: DRAM bandwidth
 CALIBRATION_MATMUL_N = 2048
+# on a GPU those take microseconds (a 2048^3 bf16 matmul: ~22 us on an H200), so the host's sync and the card's idle
+# clocks would dominate and MFU would read high: a larger product and copy, each timed over several back-to-back
+# runs after a warm-up that brings the clocks up
+CUDA_CALIBRATION_COPY_BYTES = 2 << 30
+CUDA_CALIBRATION_MATMUL_N = 8192
+CUDA_CALIBRATION_INNER = 10  # runs per timed interval
+
+
+def calibration_sizes(device: torch.device) -> tuple[int, int, int]:
+    """(copy bytes, matmul n, runs per timed interval) for a calibration on device."""
+    if device.type == "cuda":
+        return CUDA_CALIBRATION_COPY_BYTES, CUDA_CALIBRATION_MATMUL_N, CUDA_CALIBRATION_INNER
+    return CALIBRATION_COPY_BYTES, CALIBRATION_MATMUL_N, 1
 # a CPU calibration during which other processes took more than this share of the CPU is used for this run but not
 # cached: peaks measured on a busy machine are too low (seen: 13 GB/s against 35 quiet), and every MBU above them
 # would read high (over 100%) until the cache is deleted
@@ -186,31 +199,43 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_bandwidth(device: torch.device, nbytes: int = CALIBRATION_COPY_BYTES, repeats: int = 8) -> float:
-    """Copy bandwidth, bytes/s, read + write counted (the best of a few copies)."""
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 8,
+                      inner: int | None = None) -> float:
+    """Copy bandwidth, bytes/s, read + write counted (the best of a few timed intervals of `inner` copies each;
+    sizes from calibration_sizes(device) unless given)."""
+    default_bytes, _, default_inner = calibration_sizes(device)
+    nbytes, inner = nbytes or default_bytes, inner or default_inner
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
     best = float("inf")
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for _ in range(inner):
+            dst.copy_(src)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / inner)
     return 2 * nbytes / best
 
 
 @torch.inference_mode()
-def measure_flops(device: torch.device, dtype: torch.dtype, n: int = CALIBRATION_MATMUL_N, repeats: int = 3) -> float:
-    """Matmul FLOP/s in dtype (the best of a few n^3 products)."""
+def measure_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 3,
+                  inner: int | None = None) -> float:
+    """Matmul FLOP/s in dtype (the best of a few timed intervals of `inner` n^3 products each; sizes from
+    calibration_sizes(device) unless given)."""
+    _, default_n, default_inner = calibration_sizes(device)
+    n, inner = n or default_n, inner or default_inner
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    a @ b  # warm-up
+    for _ in range(inner):
+        a @ b  # warm-up (on a GPU: the clocks up)
     best = float("inf")
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        a @ b
+        for _ in range(inner):
+            a @ b
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / inner)
     return 2 * n ** 3 / best

@@ -121,3 +121,15 @@ def test_profile_warns_when_points_beat_the_peaks():
     assert "WARNING: 1 points above 100% MBU or MFU" in text and "--recalibrate" in text
     result["points"][0]["mbu"] = 0.95
     assert "WARNING" not in answer(result)
+
+
+def test_calibration_is_sized_to_the_device():
+    """A GPU gets a product and a copy large enough, timed over several runs, that sync and idle clocks do not
+    dominate (a 2048^3 bf16 matmul is ~22 us on an H200); a CPU keeps the small ones. Both measure sane figures."""
+    from inferd.telemetry.roofline import calibration_sizes, measure_bandwidth, measure_flops
+
+    cpu_copy, cpu_n, cpu_inner = calibration_sizes(torch.device("cpu"))
+    gpu_copy, gpu_n, gpu_inner = calibration_sizes(torch.device("cuda", 1))
+    assert gpu_n >= 4 * cpu_n and gpu_copy >= 4 * cpu_copy and gpu_inner > cpu_inner == 1
+    assert 1e8 < measure_bandwidth(torch.device("cpu"), nbytes=8 << 20, repeats=2, inner=2) < 1e13
+    assert 1e8 < measure_flops(torch.device("cpu"), torch.float32, n=128, repeats=2, inner=2) < 1e14
