@@ -20,7 +20,7 @@ from .request import FinishReason, InvalidRequestError, Request, SamplingParams,
 from .cuda_graph import DecodeGraphs, wants_decode_graphs
 from .memory import resolve_kv_cache_bytes
 from .runner import ModelRunner, kv_bytes_per_block
-from .sampler import Sampler, TokenLogprob, apply_penalties
+from .sampler import PenaltyState, Sampler, TokenLogprob, apply_penalties_batch
 from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
 from .speculative import NgramIndex, propose_ngram
@@ -337,10 +337,18 @@ class Engine:
         if not rows:
             return logits
         raw = logits.clone()
+        penalised = [i for i in rows if reqs[i].params.has_penalties]
+        if penalised:  # batched, from each request's state on the device (brought up to date, not rebuilt)
+            states = []
+            for i in penalised:
+                req = reqs[i]
+                if req.penalty_state is None:
+                    req.penalty_state = PenaltyState(logits.shape[1], logits.device)
+                req.penalty_state.update(req.token_ids, req.num_prompt_tokens)
+                states.append(req.penalty_state)
+            apply_penalties_batch(logits, penalised, states, [reqs[i].params for i in penalised])
         for i in rows:
             req = reqs[i]
-            if req.params.has_penalties:
-                apply_penalties(logits[i], req.token_ids[:req.num_prompt_tokens], req.output_token_ids, req.params)
             if req.num_output_tokens < req.params.min_tokens:
                 blocked = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(self.eos_token_ids))
                 if blocked:

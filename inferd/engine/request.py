@@ -108,6 +108,7 @@ class Request:
     # token_ids until accepted), and the proposer's state (inferd/engine/speculative.py)
     draft_token_ids: list[int] = field(default_factory=list)
     spec_state: object | None = None
+    penalty_state: object | None = None  # sampler.PenaltyState, for requests with penalties
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -66,6 +66,14 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[flo
     token moves only for a draw within a few ulps of a CDF boundary), and tokens of exactly equal probability are
     ordered by token id (sample_row's sort orders them arbitrarily). Each row's token depends on that row alone.
     64 rows of SmolLM2's vocabulary: ~9 ms against ~180 ms for a sort per row (docs/benchmarks.md)."""
+    tokens, again = draw_rows(logits, params, us, first)
+    return redraw(logits, params, us, first, tokens.tolist(), again.tolist())
+
+
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[float],
+              first: int = SAMPLE_TOP_FIRST) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_rows' first round, on the logits' device without a sync: (tokens [R] long, again [R] bool), again
+    marking the rows these candidates cannot resolve (their tokens are then meaningless; redraw() draws them)."""
     R, V = logits.shape
     dev = logits.device
     k = min(V, max([first] + [p.top_k for p in params]))
@@ -83,7 +91,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[flo
     # candidates equal to the last one may be part of a group of equal values that the cut at k splits (which of
     # its members topk kept depends on the batch): only the positions before that group are trusted
     trusted = (vals > vals[:, -1:]).sum(-1) if k < V else torch.full((R,), V, device=dev)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)
+    top_k_asked = torch.tensor([p.top_k for p in params], device=dev)  # 0: none
+    top_k = torch.where(top_k_asked > 0, top_k_asked, V)
     vals = vals.masked_fill(torch.arange(k, device=dev)[None, :] >= top_k[:, None], 0.0)
     # the mass of the row before top-p: its top-k (all among the candidates), or all of it
     total = torch.where(top_k < V, vals.sum(-1), probs.sum(-1))
@@ -99,19 +108,28 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], us: list[flo
     target = torch.tensor(us, dtype=torch.float32, device=dev) * ends
     idx = torch.searchsorted(cdf, target[:, None].contiguous(), right=True).squeeze(1)
     nonzero = (vals > 0).sum(-1)
-    tokens: list[int] = [0] * R
-    again = []  # rows these candidates cannot resolve: the draw, the top-k cut or the top-p cut past the trusted
-    rows = zip(idx.tolist(), nonzero.tolist(), inside.tolist(), trusted.tolist(), params)
-    for r, (i, n, whole, t, p) in enumerate(rows):
-        if k < V and ((not whole and p.top_p < 1.0) or i >= t or (whole and n > t) or (0 < p.top_k and p.top_k > t)):
-            again.append(r)
-        else:
-            tokens[r] = int(ids[r, min(i, n - 1)])
-    if again:  # SAMPLE_TOP_GROWTH times as many candidates, up to the whole vocabulary (every candidate trusted)
-        drawn = sample_rows(logits[again], [params[r] for r in again], [us[r] for r in again],
-                            min(V, k * SAMPLE_TOP_GROWTH))
-        for r, token in zip(again, drawn):
-            tokens[r] = token
+    tokens = ids.gather(1, torch.minimum(idx, nonzero - 1).clamp(min=0)[:, None]).squeeze(1)
+    if k == V:  # every candidate trusted
+        return tokens, torch.zeros(R, dtype=torch.bool, device=dev)
+    # the draw, the top-k cut or the top-p cut past the trusted candidates
+    again = ((~inside & (top_p < 1.0)) | (idx >= trusted) | (inside & (nonzero > trusted))
+             | ((top_k_asked > 0) & (top_k_asked > trusted)))
+    return tokens, again
+
+
+def redraw(logits: torch.Tensor, params: list[SamplingParams], us: list[float], first: int, tokens: list[int],
+           again: list[bool]) -> list[int]:
+    """draw_rows' tokens, with the rows it could not resolve drawn again among SAMPLE_TOP_GROWTH times as many
+    candidates (sample_rows, recursively; up to the whole vocabulary, where every candidate is trusted)."""
+    rows = [r for r, a in enumerate(again) if a]
+    if not rows:
+        return tokens
+    V = logits.shape[1]
+    k = min(V, max([first] + [p.top_k for p in params]))
+    drawn = sample_rows(logits[rows], [params[r] for r in rows], [us[r] for r in rows], min(V, k * SAMPLE_TOP_GROWTH))
+    tokens = list(tokens)
+    for r, token in zip(rows, drawn):
+        tokens[r] = token
     return tokens
 
 
@@ -130,6 +148,47 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits)
 
 
+class PenaltyState:
+    """One request's penalty inputs, kept on the logits' device and brought up to date with the tokens added since
+    the last step (not its whole history copied to the device every step): which tokens its prompt and output hold
+    (repetition penalty) and how often each occurs in its output (presence and frequency). Preemption keeps it
+    valid (the tokens do not change); a replayed request is a new Request and builds its own."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.accounted = 0  # token_ids[:accounted] are in seen (and, past the prompt, in counts)
+
+    def update(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        if self.accounted == len(token_ids):
+            return
+        dev = self.seen.device
+        new = torch.tensor(token_ids[self.accounted:], dtype=torch.long, device=dev)
+        self.seen[new] = True
+        first_output = max(0, num_prompt_tokens - self.accounted)
+        if first_output < new.numel():
+            self.counts.index_add_(0, new[first_output:], torch.ones(new.numel() - first_output, device=dev))
+        self.accounted = len(token_ids)
+
+
+def apply_penalties_batch(logits: torch.Tensor, rows: list[int], states: list[PenaltyState],
+                          params: list[SamplingParams]) -> None:
+    """apply_penalties for several rows at once, in place, from their PenaltyStates (the same arithmetic, so the
+    same logits)."""
+    dev = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=dev)
+    x = logits.index_select(0, index)
+    seen = torch.stack([s.seen for s in states])
+    counts = torch.stack([s.counts for s in states]).to(x.dtype)
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+    penalised = torch.where(x > 0, x / rep, x * rep)
+    x = torch.where(seen & (rep != 1.0), penalised, x)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
+    x = x - (freq * counts + pres * (counts > 0).to(x.dtype))
+    logits.index_copy_(0, index, x)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -142,29 +201,60 @@ class Sampler:
                positions: list[int], raw_logits: torch.Tensor | None = None
                ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, V] float32, one row per sampling request, after penalties; raw_logits: the model's own,
-        for logprobs (default: logits). positions: index the new token will have."""
-        tokens = [0] * len(params)
+        for logprobs (default: logits). positions: index the new token will have.
+
+        Everything runs on the logits' device and comes back in one transfer (one sync on a GPU): greedy argmaxes,
+        the batched draw's first round, the chosen tokens' logprobs and the top-n. Only the uniforms are drawn on
+        the host (SplitMix64 of seed and position, so that replays reproduce them) and sent as one tensor. A row
+        whose draw lands past the first candidates (flat distributions; rare on a trained model) costs a second
+        round (redraw) and its logprob a second read."""
+        R = len(params)
+        dev = logits.device
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if greedy_rows:
-            if len(greedy_rows) == len(params):
-                tokens = logits.argmax(dim=-1).tolist()
-            else:
-                best = logits[greedy_rows].argmax(dim=-1).tolist()
-                for i, t in zip(greedy_rows, best):
-                    tokens[i] = t
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:  # one batched draw (sample_rows), not a full sort per row
-            drawn = sample_rows(logits[sampled], [params[i] for i in sampled],
-                                [uniform_draw(seeds[i], positions[i]) for i in sampled])
-            for i, t in zip(sampled, drawn):
-                tokens[i] = t
-        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        if len(greedy_rows) == R:
+            tokens_dev = logits.argmax(dim=-1)
+        else:
+            tokens_dev = torch.zeros(R, dtype=torch.long, device=dev)
+            if greedy_rows:
+                tokens_dev[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        parts = [tokens_dev]
+        us = [uniform_draw(seeds[i], positions[i]) for i in sampled]
+        if sampled:  # one batched draw (sample_rows' first round), not a full sort per row
+            drawn, again = draw_rows(logits[sampled], [params[i] for i in sampled], us)
+            tokens_dev[sampled] = drawn
+            parts.append(again)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top_n = max((params[i].logprobs for i in want), default=0)
         if want:
             lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[want], dim=-1)
+            parts.append(lp.gather(1, tokens_dev[want][:, None]).squeeze(1))
+            if top_n:
+                top_v, top_i = torch.topk(lp, top_n, dim=-1)
+                parts += [top_i.flatten(), top_v.flatten()]
+        # one transfer: token ids (< 2^53), flags and float32 logprobs are all exact in float64
+        host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
+        tokens = [int(x) for x in host[:R]]
+        at = R
+        if sampled:
+            again = [bool(x) for x in host[at:at + len(sampled)]]
+            at += len(sampled)
+            if any(again):
+                sub = redraw(logits[sampled], [params[i] for i in sampled], us, SAMPLE_TOP_FIRST,
+                             [tokens[i] for i in sampled], again)
+                for i, token in zip(sampled, sub):
+                    tokens[i] = token
+        logprobs: list[TokenLogprob | None] = [None] * R
+        if want:
+            chosen = host[at:at + len(want)]
+            at += len(want)
+            top_i = host[at:at + len(want) * top_n]
+            top_v = host[at + len(want) * top_n:at + 2 * len(want) * top_n]
+            redrawn = set(i for i, a in zip(sampled, again) if a) if sampled else set()
             for row, i in enumerate(want):
                 n = params[i].logprobs
-                top_v, top_i = torch.topk(lp[row], n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
-                logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]),
-                                           list(zip(top_i.tolist(), top_v.tolist())))
+                lo = row * top_n
+                value = float(lp[row, tokens[i]]) if i in redrawn else chosen[row]
+                logprobs[i] = TokenLogprob(tokens[i], value,
+                                           [(int(t), v) for t, v in zip(top_i[lo:lo + n], top_v[lo:lo + n])])
         return tokens, logprobs

@@ -249,6 +249,31 @@ def test_presence_and_frequency_penalties_count_only_the_output():
     assert torch.equal(logits, expected)  # token 3 is only in the prompt: untouched
 
 
+def test_batched_penalties_from_incremental_state_are_the_per_row_ones():
+    """The engine applies penalties to all rows at once from each request's PenaltyState, brought up to date with
+    the tokens added since its last step: bit for bit apply_penalties on each row's whole history, step after
+    step, a replayed request (num_prompt_tokens short of its prompt: earlier outputs count as output) included."""
+    from inferd.engine.sampler import PenaltyState, apply_penalties, apply_penalties_batch
+
+    g = torch.Generator().manual_seed(4)
+    V = 300
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7),
+              SamplingParams(presence_penalty=-0.4, frequency_penalty=0.2, repetition_penalty=0.8)]
+    histories = [torch.randint(0, V, (40,), generator=g).tolist() for _ in params]
+    num_prompt = [12, 20, 5]  # the third: a replay whose prompt held 9 earlier outputs after its 5 prompt tokens
+    states = [PenaltyState(V, torch.device("cpu")) for _ in params]
+    for length in (20, 21, 22, 30, 40):  # the tokens each step has seen (prompt, then outputs as they come)
+        logits = torch.randn(5, V, generator=g) * 4
+        rows = [0, 2, 4]  # rows 1 and 3 ask for no penalty
+        expected = logits.clone()
+        for row, p, h, n in zip(rows, params, histories, num_prompt):
+            apply_penalties(expected[row], h[:n], h[n:length], p)
+        for state, h, n in zip(states, histories, num_prompt):
+            state.update(h[:length], n)
+        apply_penalties_batch(logits, rows, states, params)
+        assert torch.equal(logits, expected), length
+
+
 @pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
                                          ("repetition_penalty", 0.0), ("min_tokens", -1), ("min_tokens", 99)])
 def test_bad_penalties_are_refused(micro, field, value):

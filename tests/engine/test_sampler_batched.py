@@ -70,3 +70,51 @@ def test_only_draws_past_the_candidates_take_more_of_them(monkeypatch):
     [token] = sampler.sample_rows(logits[:1], params[:1], [u])
     assert calls == [1, 1]
     assert token == sample_row(logits[0], params[0], u) or near_boundary(logits[0], params[0], u)
+
+
+def test_the_sampler_in_one_transfer_is_each_row_on_its_own(monkeypatch):
+    """Sampler.sample runs greedy rows, sampled rows and logprobs on the device and reads them back in one transfer;
+    a mixed batch gives each row what it gets alone: greedy the argmax, a sampled row sample_rows' token (a flat
+    row's draw past the candidates included, redrawn in a second round), logprobs the row's log-softmax at its
+    token and its top-n."""
+    import inferd.engine.sampler as sampler
+
+    g = torch.Generator().manual_seed(21)
+    V = 4096
+    logits = torch.randn(8, V, generator=g) * 5
+    logits[5] = torch.randn(V, generator=g) * 0.01  # flat: a draw near 1 lands past the first candidates
+    params = [SamplingParams(max_tokens=1, temperature=0, logprobs=3),
+              SamplingParams(max_tokens=1, temperature=1.0, seed=1, logprobs=0),
+              SamplingParams(max_tokens=1, temperature=0),
+              SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=2, logprobs=5),
+              SamplingParams(max_tokens=1, temperature=1.0, top_k=20, seed=3),
+              SamplingParams(max_tokens=1, temperature=1.0, seed=4, logprobs=2),
+              SamplingParams(max_tokens=1, temperature=0, logprobs=1),
+              SamplingParams(max_tokens=1, temperature=1.3, seed=5)]
+    positions = [7, 8, 9, 10, 11, 12, 13, 14]
+    seeds = [p.seed or 0 for p in params]
+    # the flat row's draw: chosen past its first candidates' mass
+    mass = float(torch.topk(torch.softmax(logits[5], -1), SAMPLE_TOP_FIRST).values.sum())
+    us = {i: sampler.uniform_draw(seeds[i], positions[i]) for i in range(8)}
+    position = next(p for p in range(10_000) if sampler.uniform_draw(seeds[5], p) > mass + 1e-3)
+    positions[5], us[5] = position, sampler.uniform_draw(seeds[5], position)
+
+    redraws = []
+    real = sampler.redraw
+    monkeypatch.setattr(sampler, "redraw", lambda *a: redraws.append(sum(a[5])) or real(*a))
+    raw = logits + 0.25 * torch.randn(8, V, generator=g)  # logprobs come from the raw logits
+    tokens, logprobs = sampler.Sampler().sample(logits, params, seeds, positions, raw)
+    # the flat row, and only it, took a second round (resolved there: the recursion's own redraw had none left)
+    assert redraws[0] == 1 and not any(redraws[1:])
+    lp = torch.log_softmax(raw, dim=-1)
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert tokens[i] == int(logits[i].argmax())
+        else:
+            assert tokens[i] == sample_rows(logits[i:i + 1], [p], [us[i]])[0]
+        if p.logprobs is None:
+            assert logprobs[i] is None
+            continue
+        assert logprobs[i].token_id == tokens[i] and logprobs[i].logprob == float(lp[i, tokens[i]])
+        top_v, top_i = torch.topk(lp[i], p.logprobs)
+        assert logprobs[i].top == list(zip(top_i.tolist(), top_v.tolist()))
