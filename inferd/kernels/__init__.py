@@ -5,6 +5,8 @@
 - silu_mul: SiLU(gate) * up over the fused gate/up rows;
 - paged_decode_attention: one-token queries attending to their context where it lies in the paged cache (no
   gathered, padded copy; no mask);
+- decode_layers (CPU): the whole decoder stack of a pure decode step in one call, the same ops in the same order as
+  the Python layers (so the same bits) without their per-call Python overhead;
 - paged_prefill_attention (GPU): the prefill chunks of several sequences in one launch, each attending causally to
   its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`).
 
@@ -48,7 +50,8 @@ def fused_cpu() -> types.SimpleNamespace | None:
     ops = torch.ops.inferd
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
-                                 decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False)
+                                 decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False,
+                                 decode_layers=ops.decode_layers)
 
 
 # decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups);
@@ -57,7 +60,7 @@ def fused_cpu() -> types.SimpleNamespace | None:
 REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_rms_norm,
                                   rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
                                   paged_decode_attention=reference.paged_decode_attention, decode_in_place=False,
-                                  paged_prefill_attention=None, prefill_varlen=False)
+                                  paged_prefill_attention=None, prefill_varlen=False, decode_layers=None)
 
 
 def triton_ops() -> types.SimpleNamespace | None:
@@ -69,7 +72,8 @@ def triton_ops() -> types.SimpleNamespace | None:
     return types.SimpleNamespace(name="triton", add_rms_norm=reference.add_rms_norm,
                                  rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
-                                 paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True)
+                                 paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
+                                 decode_layers=None)
 
 
 def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -113,4 +117,5 @@ def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype
         ops.name = "fused-cpu (reference KV ops)"
         ops.rope_kv_write, ops.paged_decode_attention = REFERENCE.rope_kv_write, REFERENCE.paged_decode_attention
         ops.decode_in_place = False
+        ops.decode_layers = None
     return ops

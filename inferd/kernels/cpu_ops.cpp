@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -510,6 +511,70 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- the decoder stack of a pure decode step, in one call -----------------------------------------------------
+// The same operations as the Python layers (inferd/models/llama.py: DecoderLayer.forward over the fused ops above,
+// in the same order, so the same bits), looped here instead of in Python: a decode step of a small model at batch 1
+// is ~300 small calls whose Python and dispatcher overhead (~2-3 ms of a ~10 ms int4 step) is most of what is not
+// arithmetic. Each layer's four matmuls are given as (kind, weight, aux, bias): kind 0 oneDNN's packed Linear
+// (mkldnn::_linear_pointwise), 1 torch's int4 kernel (weight = the int4pack, aux = scales and zeros, group 32),
+// 2 a plain at::linear. Norm weights: two per layer, then the final norm. Returns the final norm's output.
+
+enum LinearKind : int64_t { kMkldnn = 0, kInt4 = 1, kDense = 2 };
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+at::Tensor stack_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const at::Tensor& aux,
+                        const c10::optional<at::Tensor>& bias) {
+  switch (kind) {
+    case kMkldnn:
+      return packed_linear(x, w, bias);
+    case kInt4: {  // Int4Linear._forward: the rows contiguous, the int4 kernel, then the bias
+      at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), w, 32, aux);
+      return bias.has_value() ? y + *bias : y;
+    }
+    case kDense:
+      return at::linear(x, w, bias);
+    default:
+      TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
+  }
+}
+
+at::Tensor decode_layers(at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
+                         at::TensorList norms, double eps, at::TensorList weights, at::TensorList aux,
+                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef kinds, int64_t num_heads,
+                         int64_t num_kv_heads, double scale) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L + 1 &&
+                  static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(aux.size()) == 4 * L &&
+                  static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(kinds.size()) == 4 * L,
+              "decode_layers: per layer two caches, two norms, four linears (and a final norm)");
+  const int64_t T = residual.size(0), D = k_caches[0].size(3), q_size = num_heads * D;
+  c10::optional<at::Tensor> x;
+  for (int64_t l = 0; l < L; ++l) {
+    auto lin = [&](int64_t j, const at::Tensor& in) {
+      const int64_t i = 4 * l + j;
+      return stack_linear(kinds[i], in, weights[i], aux[i], biases.get(i));
+    };
+    at::Tensor h = add_rms_norm(x, residual, norms[2 * l], eps);
+    at::Tensor qkv = lin(0, h);
+    rope_kv_write(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, num_heads, num_kv_heads);
+    at::Tensor q = qkv.slice(1, 0, q_size).view({T, num_heads, D});
+    at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, scale);
+    h = add_rms_norm(lin(1, attn.reshape({T, q_size})), residual, norms[2 * l + 1], eps);
+    x = lin(3, silu_mul(lin(2, h)));
+  }
+  return add_rms_norm(x, residual, norms[2 * L], eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inferd, m) {
@@ -519,6 +584,10 @@ TORCH_LIBRARY(inferd, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("decode_layers(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] norms, "
+        "float eps, Tensor[] weights, Tensor[] aux, Tensor?[] biases, int[] kinds, int num_heads, "
+        "int num_kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferd, CPU, m) {
@@ -526,4 +595,10 @@ TORCH_LIBRARY_IMPL(inferd, CPU, m) {
   m.impl("rope_kv_write", &rope_kv_write);
   m.impl("silu_mul", &silu_mul);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_layers", &decode_layers);
+}
+
+// decode_layers' weights include oneDNN's packed ones, whose dispatch key is MkldnnCPU
+TORCH_LIBRARY_IMPL(inferd, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
 }

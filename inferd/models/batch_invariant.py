@@ -139,3 +139,5 @@ def enable(model: torch.nn.Module, on: bool = True) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.tile_rows = TILE_ROWS if on else None
+    if hasattr(model, "forget_decode_stacks"):
+        model.forget_decode_stacks()  # a tiled Linear has no decode_layers entry

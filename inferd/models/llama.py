@@ -41,6 +41,15 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def stack_entry(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """This matmul for kernels' decode_layers at `rows` rows, as _forward would run it: (kind, weight, aux,
+        bias), kind 0 the oneDNN packed weight, 2 a plain weight; None where decode_layers cannot run it."""
+        if self.tile_rows is not None:
+            return None
+        if self.packed is not None:
+            return 0, self.packed, self.packed.new_empty(0), self.bias
+        return 2, self.weight, self.weight.new_empty(0), self.bias
+
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if tuple(weight.shape) != tuple(self.weight.shape):
@@ -171,10 +180,63 @@ class LlamaForCausalLM(nn.Module):
         # step over the 30 layers' ~300 calls (no hooks are used on this model)
         ops, rotary = self.ops, self.rotary
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, added to in place
+        if (getattr(ops, "decode_layers", None) is not None and meta.decode_tables is not None and not meta.prefills
+                and meta.invariant is None):
+            # a pure decode step: the whole stack in one call (the same ops, in the same order: the same bits)
+            stack = self._decode_stack(input_ids.shape[0])
+            if stack is not None:
+                norms, weights, aux, biases, kinds = stack
+                attn = self.layers[0].self_attn
+                return ops.decode_layers(residual, positions, rotary.cos, rotary.sin, meta.slot_mapping,
+                                         meta.decode_tables, meta.decode_lens, [k for k, _ in kv_caches],
+                                         [v for _, v in kv_caches], norms, self.norm.eps, weights, aux, biases,
+                                         kinds, attn.n_heads, attn.n_kv, attn.scale)
         x = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, residual, positions, meta, k_cache, v_cache, ops, rotary)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+
+    def _decode_stack(self, rows: int) -> tuple | None:
+        """decode_layers' lists for a step of `rows` rows (norm weights, then per layer four (kind, weight, aux,
+        bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
+        has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
+        different norm epsilons)."""
+        from .quantize import INT4_MAX_ROWS  # (quantize imports this module: imported here, when first needed)
+
+        key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
+        cache = self.__dict__.setdefault("_decode_stacks", {})
+        if key in cache:
+            return cache[key]
+        stack = None
+        norms, weights, aux, biases, kinds = [], [], [], [], []
+        ok = True
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                ok &= norm.eps == self.norm.eps
+                norms.append(norm.weight)
+            for linear in (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None),
+                           getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
+                entry = linear.stack_entry(rows) if isinstance(linear, Linear) else None
+                if entry is None:
+                    ok = False
+                    break
+                kind, weight, extra, bias = entry
+                kinds.append(kind)
+                weights.append(weight)
+                aux.append(extra)
+                biases.append(bias)
+            if not ok:
+                break
+        if ok:
+            norms.append(self.norm.weight)
+            stack = (norms, weights, aux, biases, kinds)
+        cache[key] = stack
+        return stack
+
+    def forget_decode_stacks(self) -> None:
+        """Drop the kept decode_layers lists (after the model's modules or weights were replaced)."""
+        self.__dict__.pop("_decode_stacks", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -117,6 +117,10 @@ class Int8Linear(Linear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def stack_entry(self, rows: int) -> None:
+        """decode_layers does not run int8 weights: a model with them takes the Python layers."""
+        return None
+
     def uses_int8pack(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs _weight_int8pack_mm (else it converts the weight a chunk at a time)."""
         rows = x.numel() // max(1, self.in_features)
@@ -248,6 +252,14 @@ class Int4Linear(Linear):
             return y.reshape(*shape[:-1], self.out_features)
         return Linear._forward(self, x)
 
+    def stack_entry(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """As _forward runs `rows` rows: kind 1 (the int4 kernel) where uses_int4pack would hold (CPU, the
+        activations in the scales' dtype: the model's), else the dense copy as a Linear."""
+        if (self.weight_int4 is not None and self.scales_zeros.device.type == "cpu"
+                and 0 < rows <= INT4_MAX_ROWS):
+            return 1, self.weight_int4, self.scales_zeros, self.bias
+        return Linear.stack_entry(self, rows)
+
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         raise NotImplementedError("an Int4Linear is built from its float weight (Int4Linear.from_float)")
 
@@ -298,6 +310,8 @@ def quantize_model(model: nn.Module, mode: str | None) -> int:
         del weight, bias
         linear.packed = None  # free the full-precision weight now, not when the old module is collected
         linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=linear.weight.device), requires_grad=False)
+    if hasattr(model, "forget_decode_stacks"):
+        model.forget_decode_stacks()  # they held the replaced modules' weights
     return len(targets)
 
 

@@ -76,3 +76,80 @@ def test_default_model_bf16_fused_as_reference(smollm2_bf16):
     ref, _ = _run(model, cfg, tok, torch.bfloat16, "reference", **kw)
     fused, _ = _run(model, cfg, tok, torch.bfloat16, "fused", **kw)
     assert_same_greedy(fused, ref, "SmolLM2 bf16")
+
+
+def _decode_step_inputs(engine, prompts):
+    """The model inputs of the engine's next step once every prompt is decoding (that step still runs)."""
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
+        engine.step()
+    runner, seen = engine.runner, {}
+    prepare = runner.prepare
+    runner.prepare = lambda rows: seen.setdefault("args", prepare(rows))
+    engine.step()
+    runner.prepare = prepare
+    ids, positions, meta, _ = seen["args"]
+    assert meta.decode_tables is not None and not meta.prefills
+    return ids, positions, meta
+
+
+def _stack_against_layers(model, engine, prompts):
+    """decode_layers (one call) against the Python layers over the same fused ops: hidden states and KV writes."""
+    import types
+
+    ids, positions, meta = _decode_step_inputs(engine, prompts)
+    runner, ops = engine.runner, model.ops
+    python_layers = types.SimpleNamespace(**vars(ops))
+    python_layers.decode_layers = None
+    assert model._decode_stack(len(prompts)) is not None  # the one-call path is taken
+    with torch.inference_mode():
+        kv = runner.kv.clone()
+        stacked = model(ids, positions, meta, runner.kv_caches)
+        kv_stacked = runner.kv.clone()
+        runner.kv.copy_(kv)
+        model.ops = python_layers
+        try:
+            layered = model(ids, positions, meta, runner.kv_caches)
+        finally:
+            model.ops = ops
+    assert torch.equal(stacked, layered)  # the same ops in the same order: the same bits
+    assert torch.equal(kv_stacked, runner.kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoder_stack_in_one_call_is_the_layers_bit_for_bit(tiny_path, dtype):
+    """kernels' decode_layers: a pure decode step's 30 (here 2) layers in one C++ call, for Llama and Qwen2 (q/k/v
+    biases), one row and several."""
+    model, cfg, tok = load_model(str(tiny_path), dtype=dtype)
+    for rows in (1, 6):
+        engine = Engine(model, cfg, EngineConfig(kv_cache_bytes=kv_bytes_per_block(cfg, 16, dtype) * 64), dtype, tok)
+        _stack_against_layers(model, engine, _prompts(cfg.vocab_size, rows, [5 + 7 * i for i in range(rows)]))
+
+
+def test_the_decoder_stack_over_int4_weights(smollm2_gguf_path):
+    """The default model with --quantize int4: one row (the int4 kernel) and eight (the dense copies)."""
+    from inferd.models.quantize import quantize_model
+
+    model, cfg, tok = load_model(smollm2_gguf_path, dtype=torch.bfloat16)
+    quantize_model(model, "int4")
+    for rows in (1, 8):
+        engine = Engine(model, cfg, EngineConfig(kv_cache_bytes=kv_bytes_per_block(cfg, 16, torch.bfloat16) * 64),
+                        torch.bfloat16, tok)
+        _stack_against_layers(model, engine, _prompts(cfg.vocab_size, rows, [9] * rows))
+
+
+def test_what_the_stack_does_not_run_takes_the_layers(tiny_llama_dir):
+    """int8 weights and batch-invariant tiles have no decode_layers entry: the model runs its Python layers."""
+    from inferd.models import batch_invariant
+    from inferd.models.quantize import quantize_model
+
+    model, cfg, tok = load_model(str(tiny_llama_dir), dtype=torch.bfloat16)
+    assert model._decode_stack(1) is not None
+    batch_invariant.enable(model, True)
+    assert model._decode_stack(1) is None
+    batch_invariant.enable(model, False)
+    assert model._decode_stack(1) is not None
+    quantize_model(model, "int8")
+    assert model._decode_stack(1) is None
