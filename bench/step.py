@@ -1,5 +1,7 @@
 """The model step side by side: the torch references (the step before issue 14), the fused CPU kernels, and the fused
-kernels over int4 weights (`--quantize int4`), measured in one run, alternating, on the default model.
+kernels over int4 weights (`--quantize int4`), measured in one run, alternating, on the default model. The variants
+"layers" and "layers+int4" are the fused ops called layer by layer from Python, without decode_layers (the whole
+decoder stack of a decode step in one C++ call), for its side-by-side measurement.
 
     .venv/bin/python bench/step.py [--dtype bfloat16] [--context 128] [--batches 1,64] [--prefill 512]
                                    [--steps 12] [--repeats 3] [--json docs/step.json]
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -48,7 +51,8 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="reference,fused,fused+int4")
+    p.add_argument("--variants", default="reference,fused,fused+int4",
+                   help="of reference, layers, fused, layers+int4, fused+int4")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -57,21 +61,32 @@ def main() -> int:
     model, cfg, tok = load_model(path, dtype=dtype)
     variants = args.variants.split(",")
     engines = {}
+    m4 = None
     for v in variants:
-        if v == "fused+int4":
-            m4, _, _ = load_model(path, dtype=dtype)
-            quantize_model(m4, "int4")
+        if v.endswith("+int4"):
+            if m4 is None:
+                m4, _, _ = load_model(path, dtype=dtype)
+                quantize_model(m4, "int4")
             engines[v] = make_engine(m4, cfg, tok, dtype, args, "fused")
         else:
-            engines[v] = make_engine(model, cfg, tok, dtype, args, v)
+            engines[v] = make_engine(model, cfg, tok, dtype, args, "reference" if v == "reference" else "fused")
+
+    def ops_for(v: str, kv_dtype: torch.dtype):
+        """The variant's ops: "layers" are the fused ops called layer by layer from Python (no decode_layers)."""
+        ops = kernels.select("cpu", dtype, kv_dtype, "reference" if v == "reference" else "fused")
+        if v.startswith("layers"):
+            ops = types.SimpleNamespace(**vars(ops))
+            ops.decode_layers = None
+        return ops
+
     peaks = device_peaks(torch.device("cpu"), dtype)
     points = [("decode", b) for b in args.batches] + [("prefill", args.prefill)]
     results: dict[str, dict[str, list]] = {v: {f"{k} {n}": [] for k, n in points} for v in variants}
     for r in range(args.repeats):
         for v in variants:
             e = engines[v]
-            # the reference and fused engines share one model: its ops are the engine's own
-            e.runner.model.ops = kernels.select("cpu", dtype, e.kv_dtype, "reference" if v == "reference" else "fused")
+            # engines share a model: its ops are set to the variant's own before each of its points
+            e.runner.model.ops = ops_for(v, e.kv_dtype)
             for kind, n in points:
                 pt = decode_point(e, n, args.context, args.steps, peaks) if kind == "decode" else \
                     prefill_point(e, n, max(2, args.steps // 4), peaks)

@@ -15,9 +15,9 @@
 once and gets the namespace it calls: the fused ops where they apply (a CPU tensor, a float32/bf16/fp16 cache), the
 references elsewhere. `mode="reference"` (`--kernels reference`) forces the references.
 
-On CUDA the attention ops are Triton kernels (`triton_decode.py`, `triton_prefill.py`: split-K paged decode, varlen
-paged prefill, float8 KV dequantized in the kernel); the elementwise ops there are still the torch references
-(fused GPU versions are not written yet). `mode="triton"` selects the Triton attention kernels on any device: on a
+On CUDA every op is a Triton kernel (`triton_decode.py`, `triton_prefill.py`: split-K paged decode, varlen paged
+prefill, float8 KV decoded in the kernel; `triton_elementwise.py`: add+RMSNorm, RoPE with the KV write (float8 encoded
+in the kernel, byte for byte torch's cast), SiLU x up). `mode="triton"` selects the Triton kernels on any device: on a
 CPU they only run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how `make test` checks them, alone
 (tests/kernels/test_triton_*.py) and inside whole engines (tests/engine/test_triton_engine.py), against the
 references. One difference in meaning: the varlen prefill kernel reads a first chunk's own keys and values back
@@ -64,13 +64,14 @@ REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_r
 
 
 def triton_ops() -> types.SimpleNamespace | None:
-    """The Triton attention kernels with the torch references for the rest; None where triton does not import."""
-    from . import triton_decode, triton_prefill
+    """The Triton kernels (attention, add+RMSNorm, RoPE with the KV write, SiLU x up); None where triton does not
+    import."""
+    from . import triton_decode, triton_elementwise, triton_prefill
 
-    if not (triton_decode.AVAILABLE and triton_prefill.AVAILABLE):
+    if not (triton_decode.AVAILABLE and triton_prefill.AVAILABLE and triton_elementwise.AVAILABLE):
         return None
-    return types.SimpleNamespace(name="triton", add_rms_norm=reference.add_rms_norm,
-                                 rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
+    return types.SimpleNamespace(name="triton", add_rms_norm=triton_elementwise.add_rms_norm,
+                                 rope_kv_write=triton_elementwise.rope_kv_write, silu_mul=triton_elementwise.silu_mul,
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
                                  paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
                                  decode_layers=None)
