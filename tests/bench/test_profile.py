@@ -94,6 +94,31 @@ def test_calibration_is_cached_per_cpu_model_and_recalibrated_on_request(tmp_pat
     assert cached == {"bandwidth": fresh.bandwidth, "flops/float32": fresh.flops}
 
 
+def test_cpus_of_one_name_with_other_features_calibrate_apart(monkeypatch):
+    """Hosts lend CPUs of one model name ("AMD EPYC") with and without native bf16: their peaks must not share a
+    cache entry (a bf16 peak measured where bf16 is emulated made MFU read above 100% where it is native)."""
+    import builtins
+    import io
+
+    from inferd.telemetry import roofline
+
+    real_open = builtins.open
+
+    def cpuinfo(flags: str):
+        def fake_open(path, *a, **kw):
+            if path == "/proc/cpuinfo":
+                return io.StringIO(f"model name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n")
+            return real_open(path, *a, **kw)
+        return fake_open
+
+    keys = []
+    for flags in ("avx2", "avx2 avx512f avx512_bf16", "avx2 avx512f avx512_bf16 amx_bf16 amx_tile"):
+        monkeypatch.setattr(builtins, "open", cpuinfo(flags))
+        keys.append(roofline.device_key(torch.device("cpu")))
+    assert len(set(keys)) == 3 and all(k.startswith("AMD EPYC[avx2") for k in keys)
+    assert "[avx2+avx512f+avx512_bf16+amx_bf16]" in keys[2]
+
+
 def test_a_calibration_on_a_busy_cpu_is_not_cached(tmp_path, monkeypatch):
     """Real load: two spinning processes take the CPU while the calibration runs; its peaks serve this run only."""
     import subprocess
