@@ -211,6 +211,32 @@ if AVAILABLE:
                  o.to(out_ptr.dtype.element_ty))
 
 
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: str) -> tuple[int, int, int, int, int]:
+    """The checks both paged attention kernels make of q [rows, H, D] and the caches (ValueError, or RuntimeError
+    without triton); returns (rows, H, D, KV, block_size)."""
+    if not AVAILABLE:
+        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [{rows}, H, D] and caches [KV, blocks, block_size, D], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    n, H, D = q.shape
+    KV, _, block_size, Dk = k_cache.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim {D} not supported (choose one of {HEAD_DIMS})")
+    if Dk != D:
+        raise ValueError(f"q has head_dim {D}, the cache {Dk}")
+    if H % KV:
+        raise ValueError(f"{H} query heads are not a multiple of {KV} KV heads")
+    if not _pow2(block_size):
+        raise ValueError(f"block_size {block_size} is not a power of two")
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported (choose one of {Q_DTYPES})")
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} not supported (one of {KV_DTYPES})")
+    return n, H, D, KV, block_size
+
+
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -264,25 +290,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits: context splits per row (None: default_num_splits); block_n: positions per tile (a power of two >= 16,
     the smallest tl.dot operand on a GPU; None: default_block_n) -- tests use small ones to cover several tiles.
     """
-    if not AVAILABLE:
-        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"expected q [B, H, D] and caches [KV, blocks, block_size, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    B, H, D = q.shape
-    KV, _, block_size, Dk = k_cache.shape
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} not supported (choose one of {HEAD_DIMS})")
-    if Dk != D:
-        raise ValueError(f"q has head_dim {D}, the cache {Dk}")
-    if H % KV:
-        raise ValueError(f"{H} query heads are not a multiple of {KV} KV heads")
-    if not _pow2(block_size):
-        raise ValueError(f"block_size {block_size} is not a power of two")
-    if q.dtype not in Q_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} not supported (choose one of {Q_DTYPES})")
-    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} not supported (one of {KV_DTYPES})")
+    B, H, D, KV, block_size = check_paged_args(q, k_cache, v_cache, "B")
     if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
         raise ValueError(f"expected block_tables [B, max_blocks] and context_lens [B] for B={B}, got "
                          f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}")

@@ -53,10 +53,8 @@ except Exception as e:  # ImportError, or a broken install: the engine must stil
     AVAILABLE = False
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-HEAD_DIMS = (32, 64, 128)
-LOG2E = 1.4426950408889634  # the softmax runs on exp2: scores are pre-multiplied by scale * log2(e)
+# what both paged attention kernels take, and their argument checks (one copy, in the decode kernel's module)
+from .triton_decode import HEAD_DIMS, KV_DTYPES, LOG2E, Q_DTYPES, _pow2, check_paged_args  # noqa: E402,F401
 
 
 if AVAILABLE:
@@ -155,10 +153,6 @@ if AVAILABLE:
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def default_tiles(head_dim: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for a head_dim: 64 x 64 tiles, narrower key tiles at head_dim 128 so the float32 K/V
     tiles and the accumulator stay within a program's registers. Untuned starting points (no benchmark yet)."""
@@ -181,23 +175,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     if not AVAILABLE:
         raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"expected q [T, H, D] and caches [KV, blocks, block_size, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    T, H, D = q.shape
-    KV, _, block_size, Dk = k_cache.shape
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} not supported (choose one of {HEAD_DIMS})")
-    if Dk != D:
-        raise ValueError(f"q has head_dim {D}, the cache {Dk}")
-    if H % KV:
-        raise ValueError(f"{H} query heads are not a multiple of {KV} KV heads")
-    if not _pow2(block_size):
-        raise ValueError(f"block_size {block_size} is not a power of two")
-    if q.dtype not in Q_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} not supported (choose one of {Q_DTYPES})")
-    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} not supported (one of {KV_DTYPES})")
+    T, H, D, KV, block_size = check_paged_args(q, k_cache, v_cache, "T")
     S = context_lens.shape[0]
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
         raise ValueError(f"expected cu_seqlens_q [S+1], context_lens [S], block_tables [S, max_blocks], got "

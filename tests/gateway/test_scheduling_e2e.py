@@ -122,17 +122,17 @@ class LongStream:
 
 
 def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_keyed):
-    """Two long batch streams hold both slots (each has produced a token, so each runs on the worker with ~900 to
+    """Two long batch streams hold both slots (each has produced a token, so each runs on the worker with ~500 to
     go) and eight more batch requests wait in the line. The worker is frozen while the interactive request is
     bound to it, so that it meets both streams still running whatever the machine's speed: it must be dispatched
     before every waiting batch request, and the engine must preempt a stream for it, which then completes."""
     server, keys = tiny_keyed
     [worker] = server.worker_pids()
     preempted_before = server.metrics().get('inferd_preemptions_total{model="tiny"}', 0.0)
-    streams = [LongStream(server, keys["bulk"], [33] * 8, 900) for _ in range(2)]
+    streams = [LongStream(server, keys["bulk"], [33] * 8, 500) for _ in range(2)]
     for s in streams:
         assert s.started.wait(60) and s.status == 200, s.status
-    bulk = ClosedLoop(server, keys["bulk"], [33] * 8, 16, concurrency=8, ignore_eos=True)
+    bulk = ClosedLoop(server, keys["bulk"], [33] * 8, 8, concurrency=8, ignore_eos=True)
     frozen = False
     try:
         server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="batch"}', 0) >= 5)
@@ -162,7 +162,7 @@ def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_k
             s.join()
     assert set(bulk.statuses) == {200}
     # the preempted stream was recomputed and completed, every token of it
-    assert [s.usage["completion_tokens"] if s.usage else None for s in streams] == [900, 900]
+    assert [s.usage["completion_tokens"] if s.usage else None for s in streams] == [500, 500]
 
 
 @pytest.fixture(scope="module")
