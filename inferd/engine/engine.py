@@ -115,8 +115,6 @@ class Engine:
             torch.cuda.set_device(torch.device(config.device))  # streams, events and graph pools on this card
         if hasattr(model, "ops"):  # the fused kernels where they apply (inferd/kernels)
             model.ops = kernels.select(config.device, dtype, self.kv_dtype, config.kernels)
-        if hasattr(model, "forget_decode_stacks"):
-            model.forget_decode_stacks()  # built again from the model as this engine finds it
         self.kv_cache_bytes = resolve_kv_cache_bytes(model, model_config, config, dtype, self.kv_dtype)
         per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype, config.tensor_parallel)
         num_blocks = self.kv_cache_bytes // per_block

@@ -58,17 +58,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    AVAILABLE = True
-    _IMPORT_ERROR: str | None = None
-except Exception as e:  # ImportError, or a broken install: the engine must still import this module
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    AVAILABLE = False
-    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+# triton, or None where it does not import (AVAILABLE, _IMPORT_ERROR): one guard, in the decode kernel's module
+from .triton_decode import _IMPORT_ERROR, AVAILABLE, tl, triton  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)

@@ -140,4 +140,6 @@ def enable(model: torch.nn.Module, on: bool = True) -> None:
         if isinstance(module, Linear):
             module.tile_rows = TILE_ROWS if on else None
     if hasattr(model, "forget_decode_stacks"):
-        model.forget_decode_stacks()  # a tiled Linear has no decode_layers entry
+        # a tiled Linear has no decode_layers entry; the engine calls this on every model it takes, so its lists
+        # are built again from the model as that engine finds it
+        model.forget_decode_stacks()
