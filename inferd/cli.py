@@ -28,7 +28,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
-from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, WORKER_SECRET_ENV
+from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
@@ -332,7 +332,8 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         sse_write_timeout=args.sse_write_timeout, tenant_queue_share=args.tenant_queue_share,
                         limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,
                         worker_secret=worker_secret, metrics_key=metrics_key,
-                        autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args), **backend)
+                        autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args),
+                        tool_call_parser=args.tool_call_parser, **backend)
     return run_server(opts)
 
 
@@ -385,6 +386,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls (default: from its chat template; hermes for a template "
+                        "without tools, which then gets inferd's fallback tool prompt)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
                    "default: $INFERD_API_KEY, else no key")
     p.add_argument("--api-key-file", default=None, metavar="FILE", help="read --api-key from a file (out of `ps`)")

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from ..config import (MAX_IDENTIFIER_CHARS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST, MAX_STOP_STRING_CHARS,
-                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
+from ..config import (MAX_IDENTIFIER_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST,
+                      MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -38,6 +38,24 @@ class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's response_format; json_schema: {"name", "schema", "strict", "description"} (checked in serving)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: dict[str, Any] | bool | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: StrictStr | dict[str, Any] | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _SamplingFields(_Strict):
     """What /v1/completions and /v1/chat/completions share."""
     model: Identifier | None = Field(None, description="the served model's id (GET /v1/models); omitted: the default")
@@ -52,7 +70,18 @@ class _SamplingFields(_Strict):
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     user: Identifier | None = None
-    logit_bias: dict[str, Float] | None = Field(None, description="not supported yet: only null or {}")
+    logit_bias: Annotated[dict[StrictStr, Annotated[Float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, in [-100, 100]")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object, structural_tag")
+    # vLLM's older names for the same constraints
+    guided_json: dict[str, Any] | StrictStr | None = Field(None, description="vLLM extension (older name)")
+    guided_regex: StrictStr | None = Field(None, description="vLLM extension (older name)")
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
+        None, description="vLLM extension (older name)")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM extension (older name)")
     # vLLM extensions
     top_k: StrictInt | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 = off")
     ignore_eos: StrictBool | None = Field(False, description="vLLM extension")
@@ -64,7 +93,7 @@ class _SamplingFields(_Strict):
         False, description="vLLM extension: logprobs name tokens 'token_id:N'")
 
     def _unsupported_common(self) -> list[str]:
-        return ["logit_bias"] if self.logit_bias else []
+        return []
 
 
 class CompletionRequest(_SamplingFields):
@@ -93,16 +122,34 @@ class TextContentPart(_Strict):
     text: StrictStr
 
 
+class FunctionCallIn(_Strict):
+    name: Identifier
+    arguments: StrictStr
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier tool call, as the client sends the history back."""
+    id: Identifier
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
     name: Identifier | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Identifier | None = None
 
     @model_validator(mode="after")
     def _content_needed(self) -> "ChatMessage":
         # OpenAI: only an assistant message (one that carries tool calls) may have null content
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str:
@@ -113,9 +160,28 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -124,11 +190,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     add_generation_prompt: StrictBool | None = Field(True, description="vLLM extension")
-    # OpenAI parameters not supported yet: only their neutral values are accepted
-    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'} for now")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported yet: only null or []")
-    tool_choice: Identifier | dict[str, Any] | None = Field(None, description="not supported yet: 'none' or null")
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI parameters not supported yet: only their neutral values are accepted
     functions: list[dict[str, Any]] | None = Field(None, description="not supported: only null or []")
     function_call: Identifier | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")
     audio: dict[str, Any] | None = Field(None, description="not supported: only null")
@@ -149,9 +215,6 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported_parameters(self) -> list[str]:
         names = self._unsupported_common()
         checks = {
-            "response_format": self.response_format is not None and self.response_format.type != "text",
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "audio": self.audio is not None,
@@ -246,17 +309,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 

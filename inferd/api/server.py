@@ -58,6 +58,7 @@ class ServeOptions:
     remote_workers: list[str] = field(default_factory=list)  # HOST:PORT of remote workers (gateway)
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
+    tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
     autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
     autoscale_local: bool = False  # and start/stop local workers to match
@@ -361,7 +362,8 @@ async def _load_serving(state, opts: ServeOptions) -> None:
     from .serving import OpenAIServing
 
     tokenizer = await asyncio.to_thread(load_tokenizer, opts.model_path)
-    state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics)
+    state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics,
+                                  tool_call_parser=opts.tool_call_parser)
 
 
 def default_served_name(model_path: str) -> str:

@@ -30,6 +30,8 @@ from ..worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUn
 from ..worker.protocol import WorkerOutput
 from .errors import INVALID_REQUEST, APIError, internal_error, invalid
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .tools import FORMATS, ToolCallParser, ToolFormat, default_parser, render_messages, template_knows_tools
+from .tools import tool_constraint
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
@@ -100,6 +102,7 @@ class Prepared:
     tokens_as_ids: bool
     received_at: float  # time.perf_counter() at receipt
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_format: ToolFormat | None = None  # set when the output is parsed for tool calls
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,6 +128,7 @@ class ChoiceState:
     first_token_at: float | None = None
     logprobs: list = field(default_factory=list)  # per token: (token id, logprob, [(id, logprob)...])
     token_ids: list[int] = field(default_factory=list)  # the journal: every generated token id, for a replay
+    tools: ToolCallParser | None = None  # splits the text into content and tool calls (requests with tools)
 
     @property
     def finished(self) -> bool:
@@ -132,9 +136,13 @@ class ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+    def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics,
+                 tool_call_parser: str | None = None):
         self.router = router
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.native_tools = template_knows_tools(template)  # else: the fallback tool prompt (api/tools.py)
+        self.tool_format = FORMATS[tool_call_parser or default_parser(template if self.native_tools else None)]
         self.model_name = model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
@@ -170,6 +178,7 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest, received_at: float) -> Prepared:
         self._check_common(req)
+        spec = self._constraint(req)
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [self.tokenizer.encode(prompt)]
@@ -180,27 +189,114 @@ class OpenAIServing:
         else:
             prompts = [list(p) for p in prompt]
         self._check_vocab(prompts)
-        return self._prepare(False, "cmpl-", req, prompts, req.max_tokens, req.logprobs, received_at)
+        return self._prepare(False, "cmpl-", req, prompts, req.max_tokens, req.logprobs, received_at, spec)
 
     def prepare_chat(self, req: ChatCompletionRequest, received_at: float) -> Prepared:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
-        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt))
+        spec = self._constraint(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise invalid("tool_choice needs tools", param="tool_choice")
+        tool_format = None
+        if choice != "none":
+            if not isinstance(choice, str):  # a named function
+                if choice.function.name not in [t["function"]["name"] for t in tools]:
+                    raise invalid(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                                  "tools", param="tool_choice")
+                choice = choice.model_dump()
+            if spec is not None:
+                raise invalid("tools (with tool_choice other than none) and a response format constrain the same "
+                              "output: give one of them", param="response_format")
+            try:
+                text = tool_constraint(self.tool_format, tools, choice, req.parallel_tool_calls is not False)
+            except Exception as e:
+                raise invalid(f"the tools cannot be compiled into a constraint: {e}", param="tools") from None
+            spec = ("structural_tag", text)
+            self._check_spec(spec, "tools")
+            tool_format = self.tool_format
+        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt), tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at)
+        prep = self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at, spec)
+        prep.tool_format = tool_format
+        return prep
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _constraint(self, req) -> tuple[str, str] | None:
+        """The (kind, text) grammar that response_format, structured_outputs or vLLM's guided_* ask for (at most
+        one of them), parsed here so that a bad one is a 400 before the request is admitted."""
+        found: list[tuple[str, tuple[str, str]]] = []
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", ("json_object", "")))
+        elif rf is not None and rf.type == "json_schema":
+            js = rf.json_schema
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise invalid("response_format json_schema needs an object with a name (and a schema)",
+                              param="response_format")
+            schema = js.get("schema")
+            if schema is None:
+                found.append(("response_format", ("json_object", "")))
+            elif not isinstance(schema, dict):
+                raise invalid("response_format json_schema.schema must be an object", param="response_format")
+            else:
+                found.append(("response_format", ("json", json.dumps(schema))))
+        so = req.structured_outputs
+        if so is not None:
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar), ("structural_tag", so.structural_tag))
+                     if v is not None]
+            if so.json_object:
+                given.append(("json_object", ""))
+            if len(given) != 1:
+                raise invalid("structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+                              "structural_tag", param="structured_outputs")
+            found.append(("structured_outputs", _spec(*given[0])))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(req, name)
+            if value is not None:
+                found.append((name, _spec(kind, value)))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise invalid(f"{found[0][0]} and {found[1][0]} both constrain the output: give one of them",
+                          param=found[1][0])
+        param, spec = found[0]
+        self._check_spec(spec, param)
+        return spec
+
+    @staticmethod
+    def _check_spec(spec: tuple[str, str], param: str) -> None:
+        from ..engine.request import InvalidRequestError
+        from ..engine.structured import check_spec
+
+        try:
+            check_spec(spec[0], spec[1], param)
+        except InvalidRequestError as e:
+            raise invalid(str(e), param=param, code="invalid_structured_output") from None
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         rendered = []
         for m in messages:
             # the template knows system, user and assistant; OpenAI's developer role is the system role renamed
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             rendered.append(message)
+        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            rendered, kwargs = render_messages(rendered, tools, self.native_tools)
+        else:
+            kwargs = {}
         try:
-            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template that raises on this conversation (e.g. role order): the client's input
             raise invalid(f"the chat template cannot render these messages: {e}", param="messages") from None
 
@@ -225,10 +321,11 @@ class OpenAIServing:
                 raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
 
     def _prepare(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
-                 logprobs: int | None, received_at: float) -> Prepared:
+                 logprobs: int | None, received_at: float, spec: tuple[str, str] | None = None) -> Prepared:
         hello = self.router.hello
         if hello is None:
             raise not_ready(f"no worker is available: {self.router.not_ready_reason}")
+        bias = _logit_bias(req.logit_bias, hello.vocab_size)
         bad = next((t for t in req.stop_token_ids or () if t >= hello.vocab_size), None)
         if bad is not None:
             raise invalid(f"stop token id {bad} is outside the vocabulary [0, {hello.vocab_size})",
@@ -256,7 +353,9 @@ class OpenAIServing:
             if min_tokens > budget:
                 raise invalid(f"min_tokens ({min_tokens}) is over max_tokens ({budget})", param="min_tokens")
             for i in range(n):
-                param_list.append(self._sampling_params(req, budget, logprobs, seed + len(param_list)))
+                params = self._sampling_params(req, budget, logprobs, seed + len(param_list))
+                params.structured, params.logit_bias = spec, bias
+                param_list.append(params)
                 prompt_of.append(p_index)
         return Prepared(chat, prefix + uuid.uuid4().hex, self.model_name, prompts, prompt_of, param_list,
                         bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
@@ -306,6 +405,9 @@ class Run:
         self.choices = [ChoiceState(i, TextWithStops(IncrementalDetokenizer(tok, prep.prompts[prep.prompt_of[i]]),
                                                      prep.params[i].stop))
                         for i in range(len(prep.params))]
+        if prep.tool_format is not None:
+            for c in self.choices:
+                c.tools = ToolCallParser(prep.tool_format)
         self._events: asyncio.Queue = asyncio.Queue()  # events, an exception, then _END
         self._driver: asyncio.Task | None = None
         self.on_tokens = None  # called with the number of new tokens of every output (the gateway's fair share)
@@ -388,9 +490,9 @@ class Run:
             async for out in stream:
                 if choice.finished:  # ended here (a stop string) before the worker noticed
                     break
-                delta, entries = self._apply(choice, out)
+                delta, entries, calls = self._apply(choice, out)
                 # whether THIS event ended the choice: the writer may read it long after the driver moved on
-                self._events.put_nowait((choice, delta, entries, out, choice.finished))
+                self._events.put_nowait((choice, delta, entries, out, choice.finished, calls))
                 if choice.finished:  # also when it ended here: leaving the loop aborts it in the worker
                     break
         finally:
@@ -414,7 +516,7 @@ class Run:
                 raise item
             yield item
 
-    def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list]:
+    def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list, list]:
         now = time.perf_counter()
         if self.last_output_at is not None and self.num_replays:
             self.longest_gap_s = max(self.longest_gap_s, (out.received_at or now) - self.last_output_at)
@@ -436,14 +538,21 @@ class Run:
             choice.finish_reason, choice.stop_reason = "stop", matched
         if matched is not None:
             choice.stop_reason = matched
+        entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if self.prep.logprobs else []
+        calls: list = []
+        if choice.tools is not None:  # the text splits into content and tool-call deltas
+            items = choice.tools.feed(delta, final=choice.finished)
+            delta = "".join(item[1] for item in items if item[0] == "content")
+            calls = [item[1:] for item in items if item[0] == "call"]
+            if choice.finished and choice.finish_reason == "stop" and choice.tools.calls:
+                choice.finish_reason = "tool_calls"
         if choice.finished:
             self._observe_finish(choice, now)
-        entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if self.prep.logprobs else []
         if not self.prep.stream:  # a stream's text and logprobs are not kept once queued for the client
             choice.logprobs.extend(entries)
             if delta:
                 choice.pieces.append(delta)
-        return delta, entries
+        return delta, entries, calls
 
     def _observe_finish(self, choice: ChoiceState, now: float) -> None:
         m = self.serving.metrics
@@ -506,8 +615,13 @@ async def complete(run: Run) -> dict:
         text = "".join(c.pieces)
         logprobs = _logprobs(run, c, c.logprobs, 0) if prep.logprobs else None
         if prep.chat:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if c.tools is not None:
+                content, calls = c.tools.result()
+                if calls:
+                    message["content"], message["tool_calls"] = content, calls
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         else:
             choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
@@ -538,12 +652,15 @@ async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
                                                 "logprobs": None, "finish_reason": None}]})
         event = first
         while event is not None:
-            choice, delta, entries, out, finished = event
-            if delta or entries:
+            choice, delta, entries, out, finished, calls = event
+            if delta or entries or calls:
                 logprobs = _logprobs(run, choice, entries, offsets[choice.index]) if prep.logprobs else None
                 if logprobs and not prep.chat:
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
-                yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, delta, logprobs, None)]})
+                chunk = _chunk_choice(prep.chat, choice.index, delta, logprobs, None)
+                if calls:
+                    chunk["delta"]["tool_calls"] = _tool_call_deltas(calls)
+                yield sse({**head, "choices": [chunk]})
                 write_overhead.observe(time.perf_counter() - out.received_at)
             if finished:
                 yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, "", None, choice)]})
@@ -556,6 +673,40 @@ async def stream(run: Run, events, first) -> AsyncIterator[bytes]:
     finally:
         run.close()  # synchronous: this may run in a cancelled scope (the client went away)
     yield SSE_DONE
+
+
+def _tool_call_deltas(calls: list) -> list[dict]:
+    """OpenAI's streamed tool-call deltas: a call's first one carries its index, id, type and name; the next ones
+    its index and argument fragments (consecutive fragments of one call merged)."""
+    deltas: list[dict] = []
+    for call, fragment, first in calls:
+        if first:
+            deltas.append({"index": call.index, "id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": fragment}})
+        elif deltas and deltas[-1]["index"] == call.index:
+            deltas[-1]["function"]["arguments"] += fragment
+        else:
+            deltas.append({"index": call.index, "function": {"arguments": fragment}})
+    return deltas
+
+
+def _spec(kind: str, value) -> tuple[str, str]:
+    """A constraint as (kind, text): schemas and choice lists as JSON text."""
+    if kind in ("json", "choice", "structural_tag") and not isinstance(value, str):
+        return kind, json.dumps(value)
+    return kind, value
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> list:
+    """OpenAI's logit_bias (token id strings -> bias) as [id, bias] pairs, every id in the vocabulary."""
+    out = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise invalid(f"logit_bias key {key!r} is not a token id in the vocabulary [0, {vocab_size})",
+                          param="logit_bias")
+        out.append([token, float(value)])
+    return out
 
 
 def _chunk_choice(chat: bool, index: int, text: str, logprobs, finished: ChoiceState | None) -> dict:

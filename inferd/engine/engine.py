@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import logging
 import random
 import time
 import uuid
@@ -24,6 +26,10 @@ from .sampler import PenaltyState, Sampler, TokenLogprob, apply_penalties_batch
 from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
 from .speculative import NgramIndex, propose_ngram
+from .structured import Constraint, GrammarCompiler, allocate_bitmask, apply_bitmask
+
+log = logging.getLogger("inferd.engine")
+GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a grammar being compiled before it returns
 
 if TYPE_CHECKING:
     from .tensor_parallel import TensorParallelGroup
@@ -143,6 +149,9 @@ class Engine:
         self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._awaiting_grammar: list[Request] = []  # constrained requests whose grammar is being compiled
+        self._failed: list[tuple[str, str]] = []  # (request id, why) of requests the engine stopped on an error
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:
             eos.update(tokenizer.eos_token_ids)
@@ -185,6 +194,8 @@ class Engine:
         The engine cannot step after it."""
         if self.runner.parallel is not None:
             self.runner.parallel.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
@@ -192,6 +203,8 @@ class Engine:
         """Raises InvalidRequestError for a request that must never be scheduled."""
         total = validate_request(prompt_token_ids, params, num_prompt_tokens, self.model_config.vocab_size,
                                  self.max_model_len)
+        if params.constrained and self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer, and this engine has none")
         need = self.kv_cache.blocks_needed(total)
         if need > self.kv_cache.num_blocks:
             raise InvalidRequestError(
@@ -218,14 +231,60 @@ class Engine:
             from ..models.tokenizer import IncrementalDetokenizer, TextWithStops
             self._text[request_id] = TextWithStops(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
                                                   params.stop)
-        self.scheduler.add(req)
+        if params.constrained:  # compiled off this thread; scheduled once its grammar is ready
+            req.grammar_future = self._grammar_compiler().submit(*params.structured)
+            self._awaiting_grammar.append(req)
+        else:
+            self.scheduler.add(req)
         return request_id
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar has compiled join the scheduler (a replay's matcher first accepts
+        the tokens generated before it); a compile that failed fails its request."""
+        still = []
+        for req in self._awaiting_grammar:
+            future = req.grammar_future
+            if not future.done():
+                still.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                constraint = Constraint(future.result())
+                if not constraint.advance(req.output_token_ids):
+                    raise ValueError("the tokens generated before the replay do not follow the grammar")
+            except Exception as e:
+                self._fail(req, f"the request's grammar could not be used: {e}")
+                continue
+            req.constraint = constraint
+            self.scheduler.add(req)
+        self._awaiting_grammar = still
+
+    def _fail(self, req: Request, why: str) -> None:
+        log.warning("request %s failed: %s", req.request_id, why)
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._forget(req)
+        self._failed.append((req.request_id, why))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests the engine stopped on an error since the last call: no output of
+        theirs follows (their clients are told by whoever serves them)."""
+        out, self._failed = self._failed, []
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting or running request now and free its blocks. False if it is unknown or finished."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
+        if req in self._awaiting_grammar:
+            self._awaiting_grammar.remove(req)
+            req.grammar_future.cancel()
         self.scheduler.finish(req, FinishReason.ABORT)
         self._pending_outputs.append(self._final_output(req, []))
         self._forget(req)
@@ -237,7 +296,7 @@ class Engine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._awaiting_grammar)
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -252,10 +311,15 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
+        if self._awaiting_grammar:
+            self._admit_compiled()
         if self.config.speculative:
             self._propose_drafts()
         sched = self.last_schedule = self.scheduler.schedule()
         if not sched:
+            if self._awaiting_grammar:  # nothing else to run: wait a little for a compile rather than spin
+                concurrent.futures.wait([r.grammar_future for r in self._awaiting_grammar], timeout=GRAMMAR_POLL_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
             return outputs
         t0 = time.perf_counter()
         drafted_before, accepted_before = self.stats.spec_drafted, self.stats.spec_accepted
@@ -267,6 +331,7 @@ class Engine:
         # num_tokens .. num_tokens + k (the sampler's draw depends on the position, never on the batch)
         row_reqs = [r for r, _, n in samplers for _ in range(n)]
         positions = [r.num_tokens + j for r, _, n in samplers for j in range(n)]
+        self._bias_and_constrain(logits, samplers)
         raw_logits = self._process_logits(logits, row_reqs)
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in row_reqs],
                                                [r.params.seed for r in row_reqs], positions, raw_logits)
@@ -287,6 +352,9 @@ class Engine:
                     req.debug_logits.append(raw_logits[row + j].clone())
                 req.token_ids.append(token)
                 stats.num_sampled += 1
+                if req.constraint is not None and not req.constraint.accept(token):
+                    self._fail(req, f"the sampled token {token} does not follow the request's grammar")
+                    break
                 step_out = self._after_token(req, token, logprobs[row + j])
                 out = step_out if out is None else _merge_outputs(out, step_out)
                 if req.is_finished or j == len(drafts) or token != drafts[j]:
@@ -296,7 +364,8 @@ class Engine:
             stats.spec_drafted += len(drafts)
             req.draft_token_ids = []
             row += num_logits
-            outputs.append(out)
+            if out is not None:
+                outputs.append(out)
         for s in sched.scheduled:
             if not s.request.is_finished:
                 self.kv_cache.cache_full_blocks(s.request)
@@ -330,10 +399,54 @@ class Engine:
             r.draft_token_ids = propose_ngram(r.token_ids, r.spec_state, room, cfg.ngram_min, cfg.ngram_max)
 
     @torch.inference_mode()
+    def _bias_and_constrain(self, logits: torch.Tensor, samplers: list[tuple[Request, list[int], int]]) -> None:
+        """logit_bias, then the grammar masks, in place (before penalties, logprobs and the draw). A request
+        verifying k drafts has k + 1 rows: row j's mask is its grammar's after drafts[:j] (accepted on the matcher
+        for the fill, then rolled back), so drafts that break the grammar are rejected and the output is the one
+        the request would have had without drafts."""
+        bias_rows, bias_cols, bias_vals = [], [], []
+        masked: list[int] = []
+        fills: list[tuple[Constraint, int, list[int]]] = []  # (constraint, first row, drafts)
+        row = 0
+        for req, drafts, n in samplers:
+            if req.params.logit_bias:
+                for j in range(n):
+                    for token, bias in req.params.logit_bias:
+                        bias_rows.append(row + j)
+                        bias_cols.append(token)
+                        bias_vals.append(float(bias))
+            if req.constraint is not None:
+                fills.append((req.constraint, row, drafts[:n - 1]))
+            row += n
+        if bias_rows:
+            dev = logits.device
+            logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
+                              torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
+        if not fills:
+            return
+        bitmask = allocate_bitmask(row, logits.shape[1])
+        for constraint, first, drafts in fills:
+            constraint.fill(bitmask, len(masked))
+            masked.append(first)
+            accepted = 0
+            for j, token in enumerate(drafts):  # row first + j + 1 follows drafts[:j + 1]
+                if not constraint.accept(token):
+                    break  # row first + j cannot sample this draft: the rows after it are never used
+                accepted += 1
+                if constraint.terminated:
+                    break
+                constraint.fill(bitmask, len(masked))
+                masked.append(first + j + 1)
+            constraint.rollback(accepted)
+        apply_bitmask(logits, bitmask, masked)
+
+    @torch.inference_mode()
     def _process_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Penalties and min_tokens, in place on the rows that ask for them. Returns the raw logits (a copy when
         any row changed): logprobs and recorded logits are those of the model, as in vLLM."""
-        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.num_output_tokens < r.params.min_tokens]
+        # min_tokens does not apply to constrained rows: their grammar decides where the output may end
+        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties
+                or (r.num_output_tokens < r.params.min_tokens and r.constraint is None)]
         if not rows:
             return logits
         raw = logits.clone()
@@ -349,7 +462,7 @@ class Engine:
             apply_penalties_batch(logits, penalised, states, [reqs[i].params for i in penalised])
         for i in rows:
             req = reqs[i]
-            if req.num_output_tokens < req.params.min_tokens:
+            if req.num_output_tokens < req.params.min_tokens and req.constraint is None:
                 blocked = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(self.eos_token_ids))
                 if blocked:
                     logits[i, blocked] = float("-inf")
@@ -357,7 +470,9 @@ class Engine:
 
     def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         reason, stop_reason = None, None
-        if not req.params.ignore_eos and token in self.eos_token_ids:
+        if req.constraint is not None and req.constraint.terminated:  # the grammar is complete (a stop token)
+            reason, stop_reason = FinishReason.STOP, token
+        elif not req.params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         elif token in req.params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from ..config import MAX_CACHE_SALT_CHARS
+from ..config import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS_ENTRIES
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -33,6 +33,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: logits of tokens in prompt or output divided (>0) / multiplied (<0)
     min_tokens: int = 0  # EOS and stop token ids are blocked until this many tokens were generated
     cache_salt: str = ""  # the prefix cache's salt (the tenant's): prefixes are shared only under the same salt
+    # a grammar the output must follow: (kind, text), kind in structured.KINDS (inferd/engine/structured.py)
+    structured: tuple[str, str] | list | None = None
+    # OpenAI's logit_bias as [token id, bias] pairs (JSON has no integer keys): added to the logits before the
+    # grammar mask, penalties and sampling
+    logit_bias: list = field(default_factory=list)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,11 +65,28 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.logit_bias, list) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for entry in self.logit_bias:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool) and isinstance(entry[1], (int, float))
+                    and not isinstance(entry[1], bool) and -100 <= entry[1] <= 100):
+                raise InvalidRequestError(f"logit_bias entries must be [token id, bias in [-100, 100]], got {entry!r}")
+        if self.structured is not None:
+            if not (isinstance(self.structured, (list, tuple)) and len(self.structured) == 2):
+                raise InvalidRequestError("structured must be [kind, text]")
+            from .structured import check_spec
+
+            check_spec(self.structured[0], self.structured[1])
 
     @property
     def greedy(self) -> bool:
         # below this, logits / temperature overflows float32: such a temperature means greedy (as in vLLM)
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def constrained(self) -> bool:
+        return self.structured is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -109,6 +131,8 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     spec_state: object | None = None
     penalty_state: object | None = None  # sampler.PenaltyState, for requests with penalties
+    constraint: object | None = None  # structured.Constraint once its grammar is compiled (constrained requests)
+    grammar_future: object | None = None  # the compile in flight (a Future) while the request awaits its grammar
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -145,7 +169,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, num_pr
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty")
     # min_tokens indexes the logits with the stop ids: one out of range would fail the whole step
-    for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids)):
+    for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids),
+                      ("logit_bias", [e[0] for e in params.logit_bias])):
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
             raise InvalidRequestError(f"{name} token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")

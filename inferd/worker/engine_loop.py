@@ -150,6 +150,16 @@ class EngineLoop:
             return pending + self._fail_step(e)
         finally:
             self.step_started_at = None
+            self._report_failures()
+
+    def _report_failures(self) -> None:
+        """Requests the engine stopped on an error of their own (a grammar it could not use): their clients are
+        told, the other requests carry on."""
+        take = getattr(self.engine, "take_failed", None)
+        for request_id, why in take() if take is not None else ():
+            dispatch = self._dispatches.pop(request_id, None)
+            if dispatch is not None:
+                dispatch.peer.send(error_message(why, dispatch.client_id, dispatch.epoch))
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
         """The requests the failed step ran (its schedule's; when it failed before scheduling: the running ones, or

@@ -138,8 +138,8 @@ def test_errors_map_to_client_exceptions(client, smollm2_server):
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=smollm2_server.model, messages=CHAT, max_tokens=1,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools" and e.value.body["code"] == "unsupported_parameter"
+                                       tools=[{"type": "function", "function": {"name": "f"}}], store=True)
+    assert e.value.body["param"] == "store" and e.value.body["code"] == "unsupported_parameter"
 
 
 def test_seeded_sampling_is_reproducible_and_n_choices_differ(client, smollm2_server):

@@ -1,0 +1,188 @@
+"""Structured outputs: a grammar that constrains which tokens a request may sample (xgrammar).
+
+A constrained request carries `SamplingParams.structured = (kind, text)`:
+- ``json``: a JSON schema (the text is the schema's JSON), ``json_object``: any JSON object (text ignored; OpenAI's
+  JSON mode),
+- ``regex``, ``choice`` (the text is a JSON list of strings: exactly one of them), ``grammar`` (EBNF, GBNF-style as
+  xgrammar and llama.cpp read it), ``structural_tag`` (xgrammar's structural tag JSON: the tool-call formats).
+
+The grammar is parsed (without the tokenizer, cheap, bounded by MAX_STRUCTURED_CHARS) where the request is
+validated, so a bad schema is a 400 before the request is admitted; it is compiled against the tokenizer (the costly
+part: per-token masks) on a thread of its own, cached per (kind, text), so a slow schema never stalls the step of the
+requests already running. Each step, every constrained row's allowed tokens are written into one bitmask and applied
+to the logits in one batched call before sampling (before the seeded draw: seeded outputs stay reproducible); the
+sampled token then advances the row's matcher. A request ends when its grammar is complete (the matcher accepted a
+stop token). A replayed request rebuilds its matcher from the tokens generated before (Grammar.advance).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ..config import MAX_STRUCTURED_CHARS
+from .request import InvalidRequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# JSON schemas compile with a bounded run of whitespace between tokens: a small model at temperature 1 otherwise
+# loses itself in newlines inside an object that it never closes (vLLM's disable-any-whitespace, as a bound)
+JSON_MAX_WHITESPACE = 2
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the strings."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def parse_choices(text: str) -> list[str]:
+    try:
+        choices = json.loads(text)
+    except ValueError:
+        choices = None
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+        raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+    return choices
+
+
+def check_spec(kind: Any, text: Any, param: str = "structured_outputs") -> None:
+    """InvalidRequestError (naming param) for a constraint that cannot compile: an unknown kind, an invalid JSON
+    schema, regex, choice list, grammar or structural tag. Parses without the tokenizer: milliseconds for what
+    MAX_STRUCTURED_CHARS allows."""
+    if kind not in KINDS:
+        raise InvalidRequestError(f"{param}: the constraint kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{param}: the constraint must be a string")
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise InvalidRequestError(f"{param}: the constraint has {len(text)} characters, over the limit of "
+                                  f"{MAX_STRUCTURED_CHARS} (MAX_STRUCTURED_CHARS)")
+    _check_cached(kind, text, param)
+
+
+@lru_cache(maxsize=256)
+def _check_cached(kind: str, text: str, param: str) -> None:
+    xgr = _xgr()
+    try:
+        if kind == "json":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object (or a boolean)")
+            xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(parse_choices(text)))
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(text)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"{param}: {e}") from None
+    except Exception as e:  # xgrammar reports parse errors as RuntimeError/ValueError with the position
+        message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        # "[12:00:00] /project/cpp/regex_converter.cc:83: Regex parsing error ..." -> the part after the location
+        if "] " in message and ": " in message:
+            message = message.split(": ", 1)[1] if message.startswith("[") else message
+        raise InvalidRequestError(f"{param}: invalid {kind.replace('_', ' ')}: {message}") from None
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer on a thread of its own; compiled grammars are cached by xgrammar
+    per (kind, text), so a repeated schema costs nothing."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1):
+        xgr = _xgr()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-grammar")
+        self._lock = threading.Lock()
+
+    def submit(self, kind: str, text: str) -> "Future":
+        return self._pool.submit(self.compile, kind, text)
+
+    def compile(self, kind: str, text: str):
+        c = self._compiler
+        if kind == "json":
+            return c.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar also allows arrays, scalars)
+            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=True,
+                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind == "regex":
+            return c.compile_regex(text)
+        if kind == "choice":
+            return c.compile_grammar(choice_grammar(parse_choices(text)))
+        if kind == "grammar":
+            return c.compile_grammar(text)
+        if kind == "structural_tag":
+            return c.compile_structural_tag(text)
+        raise InvalidRequestError(f"unknown constraint kind {kind!r}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Constraint:
+    """One request's grammar state: an xgrammar matcher over its generated tokens."""
+
+    def __init__(self, compiled):
+        self.matcher = _xgr().GrammarMatcher(compiled)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Accepts tokens in order (a replay's earlier outputs); False at the first one the grammar refuses."""
+        return all(self.matcher.accept_token(t) for t in tokens)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32, every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits[rows] = -inf where the rows' bits are 0, in place, in one batched call (the bitmask's row i belongs to
+    logits row rows[i]). The bits are unpacked on the logits' device (one copy of the packed mask: V/8 bytes per
+    row): ~3x faster on CPU than xgrammar's own loop at 32 rows, and the same kernels on a GPU."""
+    if not rows:
+        return
+    V = logits.shape[1]
+    packed = bitmask[:len(rows)].to(logits.device, non_blocking=True)
+    bits = (packed[:, :, None] >> _SHIFTS.to(logits.device)[None, None, :]) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :V].bool()
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, sub)
