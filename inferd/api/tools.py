@@ -37,13 +37,15 @@ class ToolFormat:
     trigger: str  # the text that opens a call
     head: re.Pattern  # a call's start up to its arguments, capturing the function's name
     tail: str  # what closes a call after its arguments object
+    separator: str  # between two calls when the output is calls only (tool_choice required)
+    filler: str  # characters around calls that are not content (dropped when a call follows or precedes them)
 
 
 FORMATS = {
     "hermes": ToolFormat("hermes", "qwen_3", "<tool_call>",
-                         re.compile(r'<tool_call>\n\{"name": "([^"\\]+)", "arguments": '), "}\n</tool_call>"),
+                         re.compile(r'<tool_call>\n\{"name": "([^"\\]+)", "arguments": '), "}\n</tool_call>", "\n", " \t\r\n"),
     "llama3_json": ToolFormat("llama3_json", "llama", '{"name": ',
-                              re.compile(r'\{"name": "([^"\\]+)", "parameters": '), "}"),
+                              re.compile(r'\{"name": "([^"\\]+)", "parameters": '), "}", "; ", " \t\r\n;"),
 }
 
 FALLBACK_SYSTEM_PROMPT = (
@@ -123,10 +125,15 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict], tool_choice: Any, parall
     function ({'type': 'function', 'function': {'name': ...}})."""
     import xgrammar
 
-    tag = xgrammar.get_model_structural_tag(fmt.xgrammar_model, tools=tools, tool_choice=tool_choice,
+    tag = xgrammar.get_model_structural_tag(fmt.xgrammar_model, tools=tools,
+                                             tool_choice="auto" if tool_choice == "required" else tool_choice,
                                              reasoning=False, parallel_tool_calls=parallel,
                                              max_whitespace_cnt=JSON_MAX_WHITESPACE)
-    return tag.model_dump_json()
+    data = json.loads(tag.model_dump_json())
+    if tool_choice == "required":  # calls only, at least one (xgrammar's "required" lets text run on after them)
+        data["format"] = {"type": "tags_with_separator", "tags": data["format"]["tags"],
+                          "separator": fmt.separator, "at_least_one": True, "stop_after_first": not parallel}
+    return json.dumps(data)
 
 
 def new_call_id() -> str:
@@ -225,7 +232,7 @@ class ToolCallParser:
         """Content, holding whitespace back until something that is not whitespace (or the end) follows it."""
         if not text:
             return
-        stripped = text.rstrip()
+        stripped = text.rstrip(self.fmt.filler)
         if not stripped:
             self._held_space += text
             return
@@ -296,7 +303,7 @@ class ToolCallParser:
         only."""
         calls = [c.as_dict() for c in self.calls]
         content = self.content
-        if calls and not content.strip():
+        if calls and not content.strip(self.fmt.filler):
             return None, calls
         return content, calls
 

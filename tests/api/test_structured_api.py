@@ -1,0 +1,172 @@
+"""Structured outputs and tool calling through the HTTP API, with the official `openai` client against a real
+`inferd serve` of the default model: response_format (a pydantic model through `parse`), vLLM's structured_outputs,
+tools with required / named / auto choice, streamed tool-call deltas equal to the non-streamed answer, a whole tool
+round trip, and bad constraints as 400s naming their parameter."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.api.test_tool_parser import TIME, WEATHER
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int
+    role: Literal["admin", "user", "guest"]
+    address: Address
+    hobbies: list[str] = Field(max_length=3)
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server):
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_parse_returns_a_pydantic_object(client, smollm2_server):
+    done = client.chat.completions.parse(model=smollm2_server.model, messages=user("Describe a user as JSON."),
+                                         response_format=Person, max_tokens=160, temperature=0)
+    msg = done.choices[0].message
+    assert done.choices[0].finish_reason == "stop"
+    assert isinstance(msg.parsed, Person) and isinstance(msg.parsed.address, Address)
+
+
+def test_json_object_mode_and_sampled_json_schema(client, smollm2_server):
+    r = client.chat.completions.create(model=smollm2_server.model, messages=user("Output JSON: the name and age of "
+                                                                                 "a person."),
+                                       response_format={"type": "json_object"}, max_tokens=96, temperature=0)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = Person.model_json_schema()
+    r = client.chat.completions.create(
+        model=smollm2_server.model, messages=user("Describe a user as JSON."), n=4, seed=11, temperature=1.0,
+        max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
+                                                                                "strict": True}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_regex_choice_and_grammar_on_completions(client, smollm2_server):
+    cases = [({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: len(t) == 8 and t[3] == "-" and t.replace("-", "").isdigit()),
+             ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+             ({"grammar": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!"))]
+    for so, holds in cases:
+        r = client.completions.create(model=smollm2_server.model, prompt="My favourite thing is", max_tokens=20,
+                                      n=3, seed=5, temperature=1.0, extra_body={"structured_outputs": so})
+        for c in r.choices:
+            assert c.finish_reason == "stop" and holds(c.text), (so, c.text)
+    # vLLM's older name for the same
+    r = client.completions.create(model=smollm2_server.model, prompt="Pick one:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].text in ("left", "right")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_tool_calls_validate(client, smollm2_server, choice):
+    r = client.chat.completions.create(model=smollm2_server.model, messages=user("Weather in Paris, in celsius?"),
+                                       tools=[WEATHER, TIME], tool_choice=choice, n=3, seed=3, temperature=1.0,
+                                       max_tokens=120)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        calls = c.message.tool_calls
+        assert calls and all(call.id.startswith("call_") and call.type == "function" for call in calls)
+        if isinstance(choice, dict):
+            assert [call.function.name for call in calls] == ["get_weather"]
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_streamed_tool_call_deltas_assemble_to_the_non_streamed_answer(client, smollm2_server):
+    kwargs = dict(model=smollm2_server.model, messages=user("Weather in Rome and the time in UTC?"),
+                  tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=150)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    content, finish, first_deltas = "", None, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.index not in calls:  # OpenAI: a call's first delta has its id, type and name
+                    assert d.id and d.type == "function" and d.function.name
+                    first_deltas.append(d)
+                    calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    assert d.id is None and not d.function.name
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" == whole.finish_reason
+    assert (content or None) == whole.message.content
+    assert [calls[i] for i in sorted(calls)] == [{"name": t.function.name, "arguments": t.function.arguments}
+                                                 for t in whole.message.tool_calls]
+
+
+def test_a_tool_round_trip_renders_and_runs(client, smollm2_server):
+    messages = user("What is the weather in Paris, in celsius?")
+    first = client.chat.completions.create(model=smollm2_server.model, messages=messages, tools=[WEATHER],
+                                           tool_choice="required", temperature=0, max_tokens=80)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None,
+                  "tool_calls": [{"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    final = client.chat.completions.create(model=smollm2_server.model, messages=messages, tools=[WEATHER],
+                                           temperature=0, max_tokens=40)
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    assert answer.message.content or answer.message.tool_calls
+    # tool_choice none: the tools are shown to the model but the output is plain text
+    plain = client.chat.completions.create(model=smollm2_server.model, messages=messages, tools=[WEATHER],
+                                           tool_choice="none", temperature=0, max_tokens=20)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_tool_choice_gives_text_or_valid_calls(client, smollm2_server):
+    r = client.chat.completions.create(model=smollm2_server.model, messages=user("Weather in Oslo in celsius?"),
+                                       tools=[WEATHER], n=4, seed=9, temperature=1.0, max_tokens=100)
+    for c in r.choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls"
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        else:
+            assert c.message.content is not None and c.finish_reason in ("stop", "length")
+
+
+def test_logit_bias_through_the_client(client, smollm2_server):
+    import httpx
+
+    tok = httpx.post(smollm2_server.url + "/tokenize", json={"prompt": " banana", "add_special_tokens": False})
+    banana = tok.json()["tokens"][0]
+    r = client.completions.create(model=smollm2_server.model, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logit_bias={str(banana): 100})
+    assert r.choices[0].text == " banana" * 3
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}),
+     "response_format"),
+    (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "bogus"}}}}}], tool_choice="required"), "tools"),
+])
+def test_bad_constraints_are_400s_naming_the_parameter(client, smollm2_server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=smollm2_server.model, messages=user("hi"), max_tokens=4, **kwargs)
+    assert e.value.body["param"] == param
+    assert e.value.body["code"] == "invalid_structured_output"
