@@ -6,13 +6,18 @@ heartbeat timeout + 2 s, its streams move, and the tokens it sends after SIGCONT
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
+import jsonschema
 import pytest
 from cluster_util import random_prompts
-from streams import Stream, add_choice, assert_same_stream, request_body, run_all, stream_completion
+from parity import assert_sampling_match, greedy_divergence, top2_gap
+from streams import Stream, add_choice, assert_same_stream, request_body, run_all, stream_completion, top_logits
+
+from inferd.engine.request import SamplingParams
 
 import httpx
 
@@ -165,3 +170,41 @@ def test_in_bf16_with_batch_invariance_a_replay_is_exact(cluster):
         assert a.done and not a.errors and b.done and not b.errors, (a.errors, b.errors)
         assert a.tokens == b.tokens, f"stream {i}"
         assert a.logprobs == b.logprobs, f"stream {i}"
+
+
+SCHEMA = {"type": "object", "properties": {
+    "word": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "kind": {"enum": ["a", "b", "c"]}, "more": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                               "maxItems": 2}},
+    "required": ["word", "n", "kind", "more"], "additionalProperties": False}
+
+
+def test_a_constrained_stream_whose_worker_is_killed_continues_exactly(cluster, reference_server, smollm2_tokenizer):
+    """JSON-schema-constrained streams (greedy and seeded, fp32) on the worker that kill -9s itself in decode: the
+    replay's matcher is rebuilt from the tokens already sent, so every stream continues exactly (exactness rule) and
+    its output validates."""
+    prompts = random_prompts(6, (20, 60), seed=23)
+    server = cluster("--workers", "2", "--threads", "1", "--heartbeat-timeout", "1.0",
+                     env={"INFERD_FAULT": "action=crash,phase=decode,step=8,worker=worker-0"}, name="constrained")
+    requests = [request_body("tiny", p, 120, None if i % 2 == 0 else 300 + i, ignore_eos=False,
+                             structured_outputs={"json": SCHEMA}) for i, p in enumerate(prompts)]
+    ours = asyncio.run(run_all(server.url, requests))
+    assert server.metrics().get('inferd_replays_total{reason="worker_lost"}', 0) >= 1
+    ref = asyncio.run(run_all(reference_server.url, requests))
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.done and not a.errors and b.done and not b.errors, (a.errors, b.errors)
+        n = min(len(a.tokens), len(b.tokens))
+        body = requests[i]
+        if body.get("seed") is None:
+            at = greedy_divergence(a.tokens, b.tokens, lambda k: top2_gap(list(b.tops[k].values())),
+                                   lambda k: abs(a.logprobs[k] - b.logprobs[k]), "constrained greedy stream")
+        else:
+            params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
+                                    seed=body["seed"])
+            at = assert_sampling_match(a.tokens[:n], b.tokens[:n], [top_logits(t) for t in b.tops[:n]], params,
+                                       body["seed"], len(prompts[i]), "constrained seeded stream")
+        if at == n:  # no divergence: the same output, ended the same way
+            assert len(a.tokens) == len(b.tokens) and a.finish_reason == b.finish_reason
+        if a.finish_reason == "stop":
+            jsonschema.validate(json.loads(smollm2_tokenizer.decode(a.tokens)), SCHEMA)
+    assert sum(a.finish_reason == "stop" for a in ours) >= 3  # most completed their JSON (the rest: max_tokens)
