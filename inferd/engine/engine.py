@@ -424,9 +424,9 @@ class Engine:
                               torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
         if not fills:
             return
-        bitmask = allocate_bitmask(row, logits.shape[1])
+        bitmask = allocate_bitmask(row, logits.shape[1])  # row r of the bitmask masks logits row r
         for constraint, first, drafts in fills:
-            constraint.fill(bitmask, len(masked))
+            constraint.fill(bitmask, first)
             masked.append(first)
             accepted = 0
             for j, token in enumerate(drafts):  # row first + j + 1 follows drafts[:j + 1]
@@ -435,7 +435,7 @@ class Engine:
                 accepted += 1
                 if constraint.terminated:
                     break
-                constraint.fill(bitmask, len(masked))
+                constraint.fill(bitmask, first + j + 1)
                 masked.append(first + j + 1)
             constraint.rollback(accepted)
         apply_bitmask(logits, bitmask, masked)

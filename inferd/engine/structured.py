@@ -167,22 +167,31 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+def _fused_apply():
+    """torch.ops.inferd.apply_token_bitmask when the fused CPU kernels load (inferd/kernels/cpu_ops.cpp), else None."""
+    global _FUSED
+    if _FUSED is None:
+        from ..kernels import build
+
+        _FUSED = torch.ops.inferd.apply_token_bitmask if build.load() else False
+    return _FUSED or None
+
+
+_FUSED = None
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[rows] = -inf where the rows' bits are 0, in place, in one batched call (the bitmask's row i belongs to
-    logits row rows[i]). The bits are unpacked on the logits' device (one copy of the packed mask: V/8 bytes per
-    row): ~3x faster on CPU than xgrammar's own loop at 32 rows, and the same kernels on a GPU."""
+    """logits[r] = -inf where bitmask[r]'s bits are 0, for r in rows, in place, in one batched call. On CPU our
+    fused op (skips words of all-allowed tokens, AVX-512 masked stores: ~0.1 ms for 32 rows of SmolLM2's
+    vocabulary, against 1.2-5 ms for xgrammar's CPU loop); elsewhere xgrammar's kernel (Triton on CUDA)."""
     if not rows:
         return
-    V = logits.shape[1]
-    packed = bitmask[:len(rows)].to(logits.device, non_blocking=True)
-    bits = (packed[:, :, None] >> _SHIFTS.to(logits.device)[None, None, :]) & 1
-    allowed = bits.reshape(len(rows), -1)[:, :V].bool()
-    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.masked_fill_(~allowed, float("-inf"))
+    fused = _fused_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if fused is not None and logits.stride(1) == 1:
+        fused(logits, bitmask, torch.tensor(rows, dtype=torch.long))
         return
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, sub)
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    whole = len(rows) == logits.shape[0]
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
+                                       indices=None if whole else rows)

@@ -575,6 +575,58 @@ at::Tensor decode_layers(at::Tensor residual, const at::Tensor& positions, const
   return add_rms_norm(x, residual, norms[2 * L], eps);
 }
 
+// ---- grammar masks (structured outputs) ------------------------------------------------------------------------
+// logits float32 [N, V] (contiguous rows); bitmask int32 [N, ceil(V / 32)]: bit j of word w allows token 32w + j;
+// rows int64: the logits rows to mask (bitmask row r masks logits row r). Every token whose bit is 0 gets -inf, in
+// place. A word of all ones (every token allowed) is skipped; 16 logits at a time with an AVX-512 masked store where
+// the CPU has it. Pure writes of -inf: the result is exactly xgrammar's apply_token_bitmask_inplace.
+void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_cpu(logits, "logits");
+  check_cpu(bitmask, "bitmask");
+  check_cpu(rows, "rows");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be float32 [N, V] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "bitmask must be a contiguous int32 [N, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows must be int64 [n]");
+  const int64_t V = logits.size(1), words = bitmask.size(1), n = rows.size(0);
+  TORCH_CHECK(words * 32 >= V, "the bitmask covers ", words * 32, " tokens, fewer than the logits' ", V);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < logits.size(0) && row_ids[i] < bitmask.size(0),
+                "row ", row_ids[i], " is outside the logits or the bitmask");
+  }
+  float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = row_ids[i];
+      float* out = base + r * stride;
+      const uint32_t* m = mask + r * words;
+      for (int64_t w = 0; w < words; ++w) {
+        const uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t t0 = w * 32;
+#if defined(__AVX512F__)
+        if (t0 + 32 <= V) {
+          const __m512 v = _mm512_set1_ps(ninf);
+          _mm512_mask_storeu_ps(out + t0, static_cast<__mmask16>(~bits & 0xFFFFu), v);
+          _mm512_mask_storeu_ps(out + t0 + 16, static_cast<__mmask16>((~bits >> 16) & 0xFFFFu), v);
+          continue;
+        }
+#endif
+        const int64_t stop = std::min<int64_t>(32, V - t0);
+        for (int64_t j = 0; j < stop; ++j) {
+          if (!((bits >> j) & 1u)) out[t0 + j] = ninf;
+        }
+      }
+    }
+  });
+}
+
+
 }  // namespace
 
 TORCH_LIBRARY(inferd, m) {
@@ -582,6 +634,7 @@ TORCH_LIBRARY(inferd, m) {
   m.def("rope_kv_write(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
   m.def("decode_layers(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
@@ -594,6 +647,7 @@ TORCH_LIBRARY_IMPL(inferd, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_kv_write", &rope_kv_write);
   m.impl("silu_mul", &silu_mul);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("decode_layers", &decode_layers);
 }

@@ -170,6 +170,32 @@ def test_the_fake_kernels_agree_with_the_ops(fused):
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
     torch.library.opcheck(torch.ops.inferd.rope_kv_write,
                           (qkv, torch.arange(T), tab.cos(), tab.sin(), kc, vc, torch.randperm(64 * 16)[:T], H, KV))
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, 4), dtype=torch.int32, generator=g)
+    torch.library.opcheck(torch.ops.inferd.apply_token_bitmask,
+                          (torch.randn(rows, 100, generator=g), mask, torch.tensor([0, 2])))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_the_grammar_mask_equals_xgrammars(fused, vocab):
+    """apply_token_bitmask writes -inf exactly where xgrammar's own kernel does (the reference): random words, words
+    of all ones (skipped) and all zeros, a vocabulary that is no multiple of 32, every row or some."""
+    import xgrammar
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, words), dtype=torch.int32, generator=g)
+    mask[:, ::5] = -1
+    mask[:, 1::7] = 0
+    logits = torch.randn(6, vocab, generator=g)
+    for rows in ([0, 1, 2, 3, 4, 5], [1, 4]):
+        ours, ref = logits.clone(), logits.clone()
+        torch.ops.inferd.apply_token_bitmask(ours, mask, torch.tensor(rows))
+        xgrammar.apply_token_bitmask_inplace(ref, mask, vocab_size=vocab, indices=None if len(rows) == 6 else rows)
+        assert torch.equal(ours, ref) and torch.isinf(ours).any()
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.inferd.apply_token_bitmask(logits, mask, torch.tensor([6]))
+    with pytest.raises(RuntimeError, match="covers"):
+        torch.ops.inferd.apply_token_bitmask(logits, mask[:, :words - 1].contiguous(), torch.tensor([0]))
 
 
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds(fused):
