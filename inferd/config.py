@@ -58,6 +58,7 @@ MAX_CACHE_SALT_CHARS = 300  # a request's prefix-cache salt ("tenant:" or "group
 MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or tool set as its constraint's text
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
+GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's cache, least recently used out)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
 HTTP_KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this (uvicorn's default, 5 s, races clients)
 WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up

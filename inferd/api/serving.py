@@ -292,6 +292,12 @@ class OpenAIServing:
                 message["tool_call_id"] = m.tool_call_id
             rendered.append(message)
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            if self.native_tools:  # the template prints tools and calls outside the contents: no special tokens there
+                check = getattr(self.tokenizer, "contains_special_text", None)
+                outside = json.dumps([tools, [m.get("tool_calls") for m in rendered]], ensure_ascii=False)
+                if check is not None and check(outside):
+                    raise invalid("tools and tool calls must not contain the text of the model's special tokens",
+                                  param="tools")
             rendered, kwargs = render_messages(rendered, tools, self.native_tools)
         else:
             kwargs = {}

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import MAX_STRUCTURED_CHARS
+from ..config import GRAMMAR_CACHE_BYTES, MAX_STRUCTURED_CHARS
 from .request import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -102,14 +102,14 @@ def _check_cached(kind: str, text: str, param: str) -> None:
 
 class GrammarCompiler:
     """Compiles constraints against one tokenizer on a thread of its own; compiled grammars are cached by xgrammar
-    per (kind, text), so a repeated schema costs nothing."""
+    per (kind, text), up to GRAMMAR_CACHE_BYTES, so a repeated schema costs nothing."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1):
         xgr = _xgr()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-grammar")
         self._lock = threading.Lock()
 

@@ -208,6 +208,11 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
 
+    def contains_special_text(self, text: str) -> bool:
+        """Whether text holds a special token's literal text (e.g. "<|im_end|>"): text that a template prints outside
+        message contents (tools, tool-call arguments) would be tokenized into that special token."""
+        return self._special_re is not None and self._special_re.search(text) is not None
+
     @property
     def chat_template(self) -> str | None:
         template = getattr(self.hf, "chat_template", None)

@@ -215,7 +215,8 @@ class EngineLoop:
         if self._stop_deadline is not None:
             peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down", retry=True))
             return
-        if len(self.engine.scheduler.waiting) >= ENGINE_MAX_WAITING:  # several gateways overfilling one worker
+        # several gateways overfilling one worker (requests whose grammar is compiling wait too)
+        if len(self.engine.scheduler.waiting) + len(getattr(self.engine, "_awaiting_grammar", ())) >= ENGINE_MAX_WAITING:
             peer.send(rejected_message(request.request_id, request.epoch, f"the worker's queue is full "
                                        f"({ENGINE_MAX_WAITING} requests waiting)", retry=True))
             return

@@ -241,3 +241,26 @@ def test_constraints_need_a_tokenizer(tiny_llama_dir):
         bare.add_request([1, 2, 3], SamplingParams(max_tokens=4, structured=("regex", "a")))
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         bare.add_request([1, 2, 3], SamplingParams(max_tokens=4, logit_bias=[[10 ** 7, 1.0]]))
+
+
+def test_preempted_constrained_requests_continue_exactly(engine, smollm2_fp32):
+    """A pool too small for every request: constrained requests are preempted (recomputed) and still produce what
+    they produce with room to spare (exactness rule), their grammar state untouched by the recompute."""
+    model, config, tokenizer = smollm2_fp32
+    small = Engine(model, config, EngineConfig(dtype="float32", kv_cache_bytes=9 << 20, block_size=16,
+                                               record_logits=True), torch.float32, tokenizer)
+    prompt = chat(tokenizer, "Describe a user of our system as JSON.")
+    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=900 + i, structured=("json", json.dumps(PERSON)))
+              for i in range(4)]
+    tight = small.generate([prompt] * 4, params)
+    assert small.scheduler.num_preemptions > 0
+    roomy = engine.generate([prompt] * 4, params)
+    for a, b, p in zip(tight, roomy, params):
+        assert_same_output(a, b, p, "preempted vs not")
+
+
+def test_a_stop_string_ends_a_constrained_request(engine):
+    prompt = chat(engine.tokenizer, "Describe a user of our system as JSON.")
+    params = SamplingParams(max_tokens=120, temperature=0.0, stop=['"age"'], structured=("json", json.dumps(PERSON)))
+    req = engine.generate([prompt], params)[0]
+    assert req.finish_reason.value == "stop" and req.stop_reason == '"age"'
