@@ -28,6 +28,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
+from .config import DEFAULT_BATCH_CONCURRENCY
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
@@ -333,8 +334,16 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,
                         worker_secret=worker_secret, metrics_key=metrics_key,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args),
-                        tool_call_parser=args.tool_call_parser, **backend)
+                        tool_call_parser=args.tool_call_parser,
+                        state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
+                        batch_concurrency=args.batch_concurrency, **backend)
     return run_server(opts)
+
+
+def default_state_dir() -> str:
+    from .models.tokenizer import cache_dir
+
+    return str(cache_dir() / "state")
 
 
 def add_worker_secret_args(p: argparse.ArgumentParser) -> None:
@@ -386,6 +395,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where the Batch API keeps its SQLite database and files (default: $INFERD_CACHE_DIR/state, "
+                        "else ~/.cache/inferd/state; '' turns the Batch API off)")
+    p.add_argument("--batch-concurrency", type=int, default=DEFAULT_BATCH_CONCURRENCY,
+                   help="the most batch lines in flight at once (it adapts below this to what the service takes)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls (default: from its chat template; hermes for a template "
                         "without tools, which then gets inferd's fallback tool prompt)")

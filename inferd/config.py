@@ -59,6 +59,14 @@ MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's cache, least recently used out)
+# the Batch API (inferd/api/batches.py)
+MAX_FILE_BYTES = 200 << 20  # an uploaded file (OpenAI's limit for batch input: 200 MB)
+MAX_FILES_PER_TENANT = 1000  # files a tenant may keep (outputs included); delete to make room
+MAX_BATCH_LINES = 50_000  # requests in one batch input file (OpenAI's limit)
+MAX_ACTIVE_BATCHES_PER_TENANT = 16  # batches a tenant may have validating, running, finalizing or cancelling
+MAX_BATCH_WINDOW_S = 7 * 24 * 3600  # the longest completion_window
+DEFAULT_BATCH_CONCURRENCY = 16  # `--batch-concurrency`: the most batch lines in flight (adapts below it)
+BATCH_RETRY_S = 1.0  # a line the service was too busy for runs again after this
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
 HTTP_KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this (uvicorn's default, 5 s, races clients)
 WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up

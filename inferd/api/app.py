@@ -61,6 +61,8 @@ class ServerState:
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
     autoscaler: object | None = None  # the Autoscaler, where one runs
+    batches: object | None = None  # the Batch API's BatchStore (api/batches.py); None: /v1/files and /v1/batches 404
+    batch_runner: object | None = None  # its BatchRunner
 
     def __post_init__(self) -> None:
         if self.gateway is None:
@@ -107,6 +109,9 @@ def build_app(state: ServerState) -> FastAPI:
                   docs_url="/docs", redoc_url=None)
     app.state.inferd = state
     install_error_handlers(app)
+    from .batch_routes import install_batch_routes
+
+    install_batch_routes(app, state)
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -520,7 +525,8 @@ def _install_openapi(app: FastAPI) -> None:
 # ---- the middleware ----------------------------------------------------------------------------------------------
 _PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 _KNOWN_ROUTES = ("/admin/workers", "/admin/rollout", "/admin/rollout/start", "/admin/rollout/promote",
-                 "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *_PUBLIC_PATHS)
+                 "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+                 "/v1/files", "/v1/batches", *_PUBLIC_PATHS)
 
 
 class Gatekeeper:
@@ -550,7 +556,8 @@ class Gatekeeper:
 
         try:
             error = self._check_key(scope, path)
-            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            # an upload is bounded by its own limit (MAX_FILE_BYTES) where it is read, never buffered here
+            if error is None and scope["method"] in ("POST", "PUT", "PATCH") and path != "/v1/files":
                 error, receive = await self._buffer_body(scope, receive)
             if error is not None:
                 await error.response()(scope, receive, send_counted)

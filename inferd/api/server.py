@@ -17,6 +17,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from ..config import DEFAULT_BATCH_CONCURRENCY
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES,
@@ -59,6 +60,8 @@ class ServeOptions:
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
+    state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
+    batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
     autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
     autoscale_local: bool = False  # and start/stop local workers to match
@@ -170,6 +173,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         await backend.stop(0.0)
         return 1
     extras = _start_cluster_services(opts, state, backend)
+    batch_lock = _start_batches(state, opts)
     shown = f"[{host}]" if ":" in host else host
     print(f"READY http://{shown}:{port}", flush=True)
     if state.authenticates:
@@ -188,9 +192,37 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         await serving
     if watching is not None:
         watching.cancel()
+    if state.batch_runner is not None:
+        await state.batch_runner.stop()
+        state.batches.close()
+    if batch_lock is not None:
+        batch_lock.close()
     await limiter.close()
     await backend.stop(0.0)
     return 0
+
+
+def _start_batches(state, opts: ServeOptions):
+    """The Batch API on opts.state_dir, owned by this server alone (an exclusive lock on the folder: a second
+    server pointed at it runs without the Batch API rather than run the same batches twice). Returns the lock's
+    file, to close at exit."""
+    if not opts.state_dir:
+        return None
+    import fcntl
+
+    from .batch_routes import start_batches
+
+    os.makedirs(opts.state_dir, exist_ok=True)
+    lock = open(os.path.join(opts.state_dir, "lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        log.warning("the Batch API is off: another server holds the state dir %s", opts.state_dir)
+        return None
+    start_batches(state, opts.state_dir, opts.batch_concurrency)
+    log.info("Batch API: state in %s", opts.state_dir)
+    return lock
 
 
 FINAL_FLUSH_S = 2.0  # after the drain: seconds uvicorn gives responses to write their last bytes
