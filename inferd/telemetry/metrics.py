@@ -53,6 +53,10 @@ class Metrics:
             "inferd_gateway_overhead_seconds", "Time the API/gateway process adds to a request: receipt to the end "
             "of its response, less the time spent waiting in the line and for the worker", buckets=OVERHEAD_BUCKETS,
             registry=r)
+        self.embedding_requests = Counter("inferd_embedding_requests", "/v1/embeddings requests served", registry=r)
+        self.embedding_inputs = Counter("inferd_embedding_inputs", "Inputs embedded (one vector each)", registry=r)
+        self.embedding_passes = Gauge("inferd_embedding_model_passes", "Forward passes the embedding workers ran "
+                                      "(their dynamic batching: fewer passes than inputs)", registry=r)
         # the gateway: quotas, the waiting line, admission
         self.admissions = Counter("inferd_gateway_admissions", "Generation requests by admission outcome",
                                   ["outcome"], registry=r)

@@ -21,6 +21,7 @@ request, so that a client which gave up on a dispatch can drop whatever still ar
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import hmac
@@ -225,6 +226,8 @@ class WorkerHello:
     version: str = "v1"  # the model version this worker serves (rollouts route by it)
     peak_bandwidth: float = 0.0  # bytes/s of its device (calibrated or given): MBU = bytes read / time / this
     peak_flops: float = 0.0  # FLOP/s of its device in its dtype: MFU = FLOPs / time / this
+    task: str = "generate"  # generate | embed (an embedding model's worker: one vector per request)
+    embedding_dim: int = 0  # the vectors' size (embed workers)
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": HELLO, **dataclasses.asdict(self)}
@@ -261,6 +264,10 @@ class WorkerHello:
                 return f"{name} must be a finite number >= 0, got {value!r}"
         if not self.heartbeat_interval > 0:
             return "heartbeat_interval must be > 0"
+        if self.task not in ("generate", "embed"):
+            return f"task must be generate or embed, got {self.task!r}"
+        if not _is(self.embedding_dim, int) or not 0 <= self.embedding_dim <= 1 << 20:
+            return f"embedding_dim must be an integer in [0, 2^20], got {self.embedding_dim!r}"
         return None
 
 
@@ -302,7 +309,7 @@ class WorkerOutput(RequestOutput):
                    finished=entry["finished"], finish_reason=entry["finish_reason"],
                    stop_reason=entry["stop_reason"], num_prompt_tokens=entry["num_prompt_tokens"],
                    num_output_tokens=entry["num_output_tokens"], num_cached_tokens=entry["num_cached_tokens"],
-                   logprobs=logprobs)
+                   logprobs=logprobs, embedding=_decode_vector(entry.get("embedding")))
 
 
 def output_entry(out, epoch: int) -> dict[str, Any]:
@@ -311,10 +318,19 @@ def output_entry(out, epoch: int) -> dict[str, Any]:
              "finished": out.finished, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
              "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
              "num_cached_tokens": out.num_cached_tokens}
+    if getattr(out, "embedding", None) is not None:  # float32 little-endian, base64: a quarter of JSON's size
+        entry["embedding"] = base64.b64encode(struct.pack(f"<{len(out.embedding)}f", *out.embedding)).decode()
     if out.logprobs:
         entry["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
                               "top": [[t, _finite_logprob(v)] for t, v in lp.top]} for lp in out.logprobs]
     return entry
+
+
+def _decode_vector(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    raw = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def _finite_logprob(value: float) -> float:

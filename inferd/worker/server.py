@@ -326,12 +326,15 @@ def model_name(config: EngineConfig) -> str:
 def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float,
                 version: str = DEFAULT_MODEL_VERSION, peaks=None) -> WorkerHello:
     return WorkerHello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, pid=os.getpid(),
-                       model=model_name(config), max_model_len=engine.max_model_len,
+                       model=getattr(engine, "served_name", None) or model_name(config),
+                       max_model_len=engine.max_model_len,
                        vocab_size=engine.model_config.vocab_size, eos_token_ids=sorted(engine.eos_token_ids),
                        kv_num_blocks=engine.kv_cache.num_blocks, kv_block_size=engine.kv_cache.block_size,
                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                        heartbeat_interval=heartbeat_interval, version=version,
-                       peak_bandwidth=peaks.bandwidth if peaks else 0.0, peak_flops=peaks.flops if peaks else 0.0)
+                       peak_bandwidth=peaks.bandwidth if peaks else 0.0, peak_flops=peaks.flops if peaks else 0.0,
+                       task=getattr(engine, "task", "generate"),
+                       embedding_dim=getattr(getattr(engine, "embedder", None), "dim", 0))
 
 
 @contextlib.contextmanager
@@ -382,6 +385,18 @@ def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
         return serve_engine(engine, config, opts)
     finally:
         engine.close()  # tensor parallel: the other ranks exit
+
+
+def run_embed_worker(config: EngineConfig, opts: WorkerRunOptions, max_wait_s: float, max_batch_tokens: int) -> int:
+    """`inferd worker --task embed`: an embedding model (inferd/engine/embedding.py) behind the same protocol."""
+    from ..engine.embedding import EmbedEngine
+
+    _start_process(opts)
+    engine = EmbedEngine.from_config(config, max_wait_s, max_batch_tokens)
+    log.info("embedding worker: %s (%d dimensions, %s pooling%s, context %d)", engine.embedder.folder,
+             engine.embedder.dim, engine.embedder.pooling.mode,
+             ", normalized" if engine.embedder.pooling.normalize else "", engine.max_model_len)
+    return serve_engine(engine, config, opts)
 
 
 def _start_process(opts: WorkerRunOptions) -> None:

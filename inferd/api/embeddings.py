@@ -1,0 +1,115 @@
+"""/v1/embeddings: OpenAI's shapes over embedding workers (`inferd worker --task embed`), behind their own router
+and waiting line but the same tenants and quotas (the inputs' tokens count as prompt tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from ..config import MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS
+from ..engine.request import SamplingParams
+from .errors import APIError, invalid
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
+Identifier = Annotated[StrictStr, Field(max_length=MAX_IDENTIFIER_CHARS)]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Identifier | None = None
+    input: (StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: StrictInt | None = Field(None, ge=1)
+    user: Identifier | None = None
+
+
+class EmbeddingService:
+    def __init__(self, router, gateway, tokenizer, model_name: str):
+        self.router = router
+        self.gateway = gateway
+        self.tokenizer = tokenizer  # the embedding model's own (transformers)
+        self.model_name = model_name
+        self.num_requests = 0
+
+    def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+        hello = self.router.hello
+        if hello is None:
+            raise APIError(503, f"no embedding worker is available: {self.router.not_ready_reason}",
+                           code="not_ready", headers={"Retry-After": "1"})
+        raw = req.input
+        if isinstance(raw, str):
+            texts, ids = [raw], None
+        elif isinstance(raw[0], str):
+            texts, ids = raw, None
+        elif isinstance(raw[0], int):
+            texts, ids = None, [list(raw)]
+        else:
+            texts, ids = None, [list(x) for x in raw]
+        if texts is not None:
+            if any(not t for t in texts):
+                raise invalid("an input is empty", param="input")
+            if sum(len(t) for t in texts) > MAX_EMBEDDING_INPUTS * hello.max_model_len * 16:
+                raise invalid("the inputs are too long", param="input")
+            ids = [self.tokenizer(t)["input_ids"] for t in texts]
+        for i, x in enumerate(ids):
+            if len(x) > hello.max_model_len:
+                raise invalid(f"input {i} has {len(x)} tokens; this model's maximum context length is "
+                              f"{hello.max_model_len} tokens", param="input", code="context_length_exceeded")
+            bad = next((t for t in x if t >= hello.vocab_size), None)
+            if bad is not None:
+                raise invalid(f"input token id {bad} is outside the vocabulary [0, {hello.vocab_size})",
+                              param="input")
+        if req.dimensions is not None and req.dimensions != hello.embedding_dim:
+            raise invalid(f"{self.model_name} does not support dimensions other than its own "
+                          f"({hello.embedding_dim}); its vectors cannot be truncated", param="dimensions")
+        return ids
+
+    async def create(self, req: EmbeddingRequest, tenant, band: int, queue_timeout, cache_salt: str) -> dict:
+        ids = self.inputs(req)
+        tokens = sum(len(x) for x in ids)
+        ticket = await self.gateway.admit(tenant, band, tokens, tokens, queue_timeout, prompt=None,
+                                          num_seqs=len(ids), cache_salt=cache_salt)
+        used = 0
+        try:
+            worker = ticket.worker or await ticket.wait()
+            base = "emb-" + uuid.uuid4().hex
+
+            async def one(i: int, x: list[int]) -> list[float]:
+                nonlocal used
+                stream = self.router.generate(f"{base}-{i}", x, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                              cache_salt=cache_salt), worker)
+                try:
+                    async for out in stream:
+                        if out.finished:
+                            if out.embedding is None:
+                                raise APIError(500, "the embedding worker answered without a vector",
+                                               code="engine_error")
+                            used += len(x)
+                            ticket.on_output(1)
+                            return out.embedding
+                finally:
+                    await stream.aclose()
+                raise APIError(503, "the embedding worker ended the request", code="worker_lost",
+                               headers={"Retry-After": "1"})
+
+            vectors = await asyncio.gather(*(one(i, x) for i, x in enumerate(ids)))
+        finally:
+            ticket.finish(used)
+        self.num_requests += 1
+        data = []
+        for i, vec in enumerate(vectors):
+            if req.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            else:
+                value = vec
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
