@@ -1,0 +1,138 @@
+"""/v1/embeddings against a real `inferd serve --embedding-model default` (the tiny Llama as its chat model), with
+the official `openai` client: vectors equal sentence-transformers' on the same weights (cosine >= 0.9999 per text)
+for strings, lists and token ids; 64 concurrent requests served in fewer model passes than requests with the same
+vectors as one at a time; a chat and an embedding model behind one server; bad inputs are 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog", "inferd serves embeddings",
+         "Paris is the capital of France. " * 6, "x"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    from servers import kill_group, start_server
+
+    log = tmp_path_factory.mktemp("embed") / "serve.log"
+    srv = start_server(tiny_llama_dir, log, "--max-model-len", "256", "--kv-cache-bytes", "32M", "--state-dir", "",
+                       "--embedding-model", "default", "--heartbeat-interval", "0.1", "--embed-max-wait-ms", "20",
+                       model_name="tiny")
+    yield srv
+    kill_group(srv.proc)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    from inferd.engine.embedding import default_embedding_model_path
+
+    return SentenceTransformer(default_embedding_model_path(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_vectors_equal_sentence_transformers(client, reference, server):
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS[0])
+    assert len(one.data) == 1 and one.model == "all-MiniLM-L6-v2" and one.usage.prompt_tokens > 0
+    assert cosine(one.data[0].embedding, expected[0]) >= 0.9999
+    many = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)
+    assert [d.index for d in many.data] == list(range(len(TEXTS)))
+    for d, e in zip(many.data, expected):
+        assert len(d.embedding) == 384 and cosine(d.embedding, e) >= 0.9999
+        assert abs(np.linalg.norm(d.embedding) - 1.0) < 1e-4  # the folder's Normalize module
+    ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]
+    by_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
+    for d, e in zip(by_ids.data, expected):
+        assert cosine(d.embedding, e) >= 0.9999
+    single_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[1])
+    assert cosine(single_ids.data[0].embedding, expected[1]) >= 0.9999
+    assert many.usage.prompt_tokens == sum(len(x) for x in ids)
+    raw = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS[2], "encoding_format": "base64"},
+                     timeout=60).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert cosine(struct.unpack(f"<{len(packed) // 4}f", packed), expected[2]) >= 0.9999
+
+
+def _passes(server) -> float:
+    return server.metrics().get("inferd_embedding_model_passes", 0.0)
+
+
+def _settled_passes(server) -> float:
+    """The passes gauge once heartbeats stopped moving it (it is read from them: eventually consistent)."""
+    last = _passes(server)
+    deadline = time.monotonic() + 30
+    while True:
+        time.sleep(0.5)
+        now = _passes(server)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline
+        last = now
+
+
+def test_concurrent_requests_are_batched_with_the_same_vectors(server):
+    texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'} and more" + " words" * (i % 7)
+             for i in range(64)]
+    url = server.url + "/v1/embeddings"
+    alone = [httpx.post(url, json={"input": t}, timeout=60).json()["data"][0]["embedding"] for t in texts[:8]]
+    before = _settled_passes(server)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(url, json={"input": t}) for t in texts))
+
+    responses = asyncio.run(all_at_once())
+    assert all(r.status_code == 200 for r in responses)
+    passes = _settled_passes(server) - before
+    assert 1 <= passes < 64, passes  # batched: fewer forward passes than requests
+    for r, a in zip(responses[:8], alone):
+        v = r.json()["data"][0]["embedding"]
+        assert cosine(v, a) >= 0.99999 and np.max(np.abs(np.asarray(v) - np.asarray(a))) < 1e-5
+
+
+def test_a_chat_and_an_embedding_model_behind_one_server(client, server):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "all-MiniLM-L6-v2"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "wrong_model_kind" and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input="hi")
+    assert e.value.body["code"] == "wrong_model_kind"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="hi")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=128)
+    assert e.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 400)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=[[10 ** 6]])
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="")
+    assert client.embeddings.create(model="all-MiniLM-L6-v2", input="still fine").data
