@@ -56,7 +56,7 @@ async def execute_line(state, tenant_name: str, endpoint: str, body: dict) -> Li
         if tenant is None:
             raise APIError(401, f"the batch's tenant {tenant_name!r} no longer exists", code="tenant_gone")
         if endpoint == "/v1/embeddings":
-            raise invalid("this server serves no embedding model", param="model", code="model_not_found")
+            return await _embed_line(state, tenant, body)
         model = ChatCompletionRequest if endpoint == "/v1/chat/completions" else CompletionRequest
         try:
             req = model.model_validate(body)
@@ -90,6 +90,24 @@ async def execute_line(state, tenant_name: str, endpoint: str, body: dict) -> Li
     except Exception as e:  # the gateway's refusals (overloaded, ...) and worker failures
         error = worker_error(e)
         return LineOutcome(error.status, error.body(), retry=error.status in (429, 503))
+
+
+async def _embed_line(state, tenant: Tenant, body: dict) -> LineOutcome:
+    from .app import _cache_salt
+    from .embeddings import EmbeddingRequest
+
+    service = state.embeddings
+    if service is None:
+        raise invalid("this server serves no embedding model", param="model", code="model_not_found")
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    if req.model is not None and req.model != service.model_name:
+        raise invalid(f"`{req.model}` is not this server's embedding model (`{service.model_name}`)", param="model",
+                      code="model_not_found")
+    out = await service.create(req, tenant, max(tenant.band, BATCH_BAND), None, _cache_salt(tenant))
+    return LineOutcome(200, out)
 
 
 def install_batch_routes(app: FastAPI, state) -> None:
@@ -176,8 +194,9 @@ def install_batch_routes(app: FastAPI, state) -> None:
         if body.endpoint not in BATCH_ENDPOINTS:
             raise invalid(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {body.endpoint!r}",
                           param="endpoint")
-        if body.endpoint == "/v1/embeddings":
-            raise invalid("this server serves no embedding model", param="endpoint")
+        if body.endpoint == "/v1/embeddings" and state.embeddings is None:
+            raise invalid("this server serves no embedding model (start it with --embedding-model)",
+                          param="endpoint")
         f = s.get_file(tenant, body.input_file_id)
         if f["purpose"] != "batch":
             raise invalid(f"the file {f['id']} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id")

@@ -26,7 +26,8 @@ def server(tiny_llama_dir, tmp_path_factory):
     from servers import kill_group, start_server
 
     log = tmp_path_factory.mktemp("embed") / "serve.log"
-    srv = start_server(tiny_llama_dir, log, "--max-model-len", "256", "--kv-cache-bytes", "32M", "--state-dir", "",
+    srv = start_server(tiny_llama_dir, log, "--max-model-len", "256", "--kv-cache-bytes", "32M", "--state-dir",
+                       str(log.parent / "state"),
                        "--embedding-model", "default", "--heartbeat-interval", "0.1", "--embed-max-wait-ms", "20",
                        model_name="tiny")
     yield srv
@@ -136,3 +137,24 @@ def test_a_chat_and_an_embedding_model_behind_one_server(client, server):
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="all-MiniLM-L6-v2", input="")
     assert client.embeddings.create(model="all-MiniLM-L6-v2", input="still fine").data
+
+
+def test_a_batch_of_embeddings(client, reference):
+    """The Batch API's /v1/embeddings endpoint: lines through the same service, vectors as sentence-transformers'."""
+    import io
+    import json
+
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "all-MiniLM-L6-v2", "input": t}} for i, t in enumerate(TEXTS)]
+    f = client.files.create(file=("e.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                            purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert b.status == "completed" and b.request_counts.completed == len(TEXTS)
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    for o, e in zip(sorted(out, key=lambda o: int(o["custom_id"][1:])), expected):
+        assert cosine(o["response"]["body"]["data"][0]["embedding"], e) >= 0.9999
