@@ -126,7 +126,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
 
     @app.post("/v1/embeddings", response_model=None, responses=_errors(400, 401, 404, 413, 429, 503))
-    async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         service = state.embeddings
         if service is None or (body.model is not None and body.model != service.model_name):
             if body.model == state.model_name:
@@ -148,7 +148,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise worker_error(e) from None
         state.metrics.embedding_requests.inc()
         state.metrics.embedding_inputs.inc(len(out["data"]))
-        return out
+        return JSONResponse(out)  # straight to JSON: FastAPI's encoder walks every float of every vector
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:

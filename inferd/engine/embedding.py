@@ -280,6 +280,7 @@ class EmbedEngine:
         for req in chosen:
             waiting.remove(req)
         chosen.sort(key=lambda r: len(r.token_ids))
+        # sorted by length and split where padding would waste over a quarter: an encoder's cost is rows x width
         for lo, hi in split_by_length([len(r.token_ids) for r in chosen], self.config.block_size):
             group = chosen[lo:hi]
             vectors = self.embedder.embed([r.token_ids for r in group])
