@@ -238,5 +238,6 @@ def start_batches(state, state_dir: str, concurrency: int) -> None:
     async def execute(tenant_name: str, endpoint: str, body: dict) -> LineOutcome:
         return await execute_line(state, tenant_name, endpoint, body)
 
-    state.batch_runner = BatchRunner(state.batches, execute, concurrency)
+    state.batch_runner = BatchRunner(state.batches, execute, concurrency,
+                                     interactive_busy=lambda: state.gateway.busy_above(BATCH_BAND))
     state.batch_runner.start()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import (BATCH_RETRY_S, DEFAULT_BATCH_CONCURRENCY, MAX_ACTIVE_BATCHES_PER_TENANT, MAX_BATCH_LINES,
+from ..config import (BATCH_BUSY_COOLDOWN_S, BATCH_RETRY_S, BUSY_BATCH_CONCURRENCY, DEFAULT_BATCH_CONCURRENCY, MAX_ACTIVE_BATCHES_PER_TENANT, MAX_BATCH_LINES,
                       MAX_BATCH_WINDOW_S, MAX_FILE_BYTES, MAX_FILES_PER_TENANT)
 from .errors import APIError, invalid
 
@@ -408,9 +408,13 @@ class BatchRunner:
     execute(tenant name, endpoint, body) -> LineOutcome runs one request through the gateway (the API process's
     own path, in the batch tier)."""
 
-    def __init__(self, store: BatchStore, execute, max_concurrency: int = DEFAULT_BATCH_CONCURRENCY):
+    def __init__(self, store: BatchStore, execute, max_concurrency: int = DEFAULT_BATCH_CONCURRENCY,
+                 interactive_busy: Callable[[], int] = lambda: 0):
         self.store = store
         self.execute = execute
+        # more important work (interactive, standard) running or waiting: lines are then sent one at a time, so that
+        # the batch fills the capacity that work leaves idle instead of sharing every step with it
+        self.interactive_busy = interactive_busy
         self.max_concurrency = max(1, max_concurrency)
         self.concurrency = min(4, self.max_concurrency)
         self._inflight: dict[tuple[str, int], asyncio.Task] = {}
@@ -418,6 +422,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.lines_done = 0
+        self._busy_at = float("-inf")  # when more important work was last seen
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -466,7 +471,11 @@ class BatchRunner:
                     store.set_status(batch["id"], "finalizing", ("in_progress",))
                     await asyncio.to_thread(store.finalize, batch, "completed", None)
                 continue
-            room = self.concurrency - len(self._inflight)
+            if self.interactive_busy():
+                self._busy_at = now
+            quiet = now - self._busy_at >= BATCH_BUSY_COOLDOWN_S
+            limit = self.concurrency if quiet else min(self.concurrency, BUSY_BATCH_CONCURRENCY)
+            room = limit - len(self._inflight)
             if room <= 0:
                 continue
             busy = {k[1] for k in self._inflight if k[0] == batch["id"]}

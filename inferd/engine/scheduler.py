@@ -128,18 +128,34 @@ class Scheduler:
                 scheduled[req.request_id] = ScheduledRequest(req, 1 + k, k)
                 budget -= 1 + k
                 draft_budget -= k
-        for req in decoding + prefilling:
-            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in scheduled:
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
-                victim = max(self.running, key=self._victim_key)
-                preempt(victim)
-                if victim is req:
-                    break
-            else:
-                scheduled[req.request_id] = ScheduledRequest(req, n)
-                budget -= n
+        # a more important request in prefill (running with prompt left, or the head of the line): the decodes and
+        # prefill chunks of less important requests sit this step out, so that its first token does not wait for a step that also
+        # runs theirs (the batch tier yields to interactive). They run again in this very step if that request
+        # does not get in after all (no room), so nothing waits on a request that cannot run.
+        pending = [r.params.priority for r in prefilling] + ([self.waiting[0].params.priority] if self.waiting else [])
+        urgent = min(pending, default=None)
+        held = [r for r in decoding + prefilling if urgent is not None and r.params.priority > urgent
+                and r.request_id not in scheduled]
+        if held:
+            decoding = [r for r in decoding if r not in held]
+            prefilling = [r for r in prefilling if r not in held]
+
+        def run(reqs: list[Request]) -> None:
+            nonlocal budget
+            for req in reqs:
+                if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in scheduled:
+                    continue
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                while not self.kv.allocate(req, n):
+                    victim = max(self.running, key=self._victim_key)
+                    preempt(victim)
+                    if victim is req:
+                        break
+                else:
+                    scheduled[req.request_id] = ScheduledRequest(req, n)
+                    budget -= n
+
+        run(decoding + prefilling)
 
         # waiting: admit in line order while there is budget, a slot and room; a head without a slot or room takes
         # them from running requests less important than itself. Once this step preempted anything, only a head
@@ -168,6 +184,9 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledRequest(req, n)
             budget -= n
 
+        if held and not any(s.num_tokens > 1 and s.request.params.priority < max(r.params.priority for r in held)
+                            for s in scheduled.values()):
+            run(held)  # the more important prefill did not get in: the held decodes go after all
         out = SchedulerOutput(preempted=preempted)
         # one-token chunks (decodes) first, shortest context first: the runner batches their attention in groups
         # of similar length

@@ -647,6 +647,12 @@ class Gateway:
         self._update_queue_metrics()
         self.pump()
 
+    def busy_above(self, band: int) -> int:
+        """Sequences of more important bands than `band` bound to a worker or waiting in the line (the Batch API
+        backs off while there are any)."""
+        bound = sum(sum(a[:band]) for a in self._assigned.values())
+        return bound + sum(1 for w in self.line.waiters() if w.band < band)
+
     @property
     def num_in_flight(self) -> int:
         """Sequences bound to a worker (or being moved to another)."""

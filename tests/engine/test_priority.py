@@ -230,3 +230,38 @@ def test_blocks_shared_with_more_important_work_do_not_count_as_room():
     sched.add(h2)
     out = sched_step(sched)
     assert out.preempted == [b] and h2.status == RUNNING
+
+
+def test_less_important_work_sits_out_the_step_of_a_more_important_prefill():
+    """b (priority 2, a batch line) decodes; a (priority 0) arrives: a's prefill runs alone in the next step (its
+    first token does not wait for a step that also runs b), then both decode together."""
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    b = make_req("b", list(range(20, 28)), 2, arrival=0)
+    sched.add(b)
+    sched_step(sched)
+    assert [s.request for s in sched_step(sched).scheduled] == [b]  # decoding
+    a = make_req("a", list(range(40, 52)), 0, arrival=1)
+    sched.add(a)
+    out = sched_step(sched)
+    assert [(s.request, s.num_tokens) for s in out.scheduled] == [(a, 12)] and not out.preempted
+    assert sorted(s.request.request_id for s in sched_step(sched).scheduled) == ["a", "b"]
+    # equal priorities keep decode-first: a decode is never held for a peer's prefill
+    c = make_req("c", list(range(60, 70)), 2, arrival=2)
+    sched.add(c)
+    assert sorted(s.request.request_id for s in sched_step(sched).scheduled) == ["a", "b", "c"]
+
+
+def test_held_work_runs_when_the_more_important_request_cannot_get_in():
+    """A more important head that no preemption can let in (its prompt needs more blocks than the pool frees)
+    waits, and the less important decode it held back runs in the same step: nothing waits on a request that
+    cannot run."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    b = make_req("b", list(range(20, 28)), 2, arrival=0)
+    sched.add(b)
+    sched_step(sched)
+    big = make_req("big", list(range(100, 120)), 0, arrival=1)  # 5 blocks: never fits
+    sched.add(big)
+    out = sched_step(sched)
+    assert [s.request for s in out.scheduled] == [b] and sched.waiting == [big] and not out.preempted
