@@ -124,7 +124,7 @@ def test_cancel_and_expiry(tiny_llama_dir, tmp_path):
     srv = start(tiny_llama_dir, tmp_path, tmp_path / "state", "--batch-concurrency", "1", name="slow")
     try:
         client = client_for(srv)
-        lines = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(40)]
+        lines = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # ~10 s of work
         f = client.files.create(file=("slow.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_until = time.monotonic() + 60
@@ -139,16 +139,18 @@ def test_cancel_and_expiry(tiny_llama_dir, tmp_path):
         c = wait_status(client, b.id, ("cancelled",))
         done = read_jsonl(client, c.output_file_id)
         unrun = read_jsonl(client, c.error_file_id)
-        assert len(done) >= 2 and len(done) + len(unrun) == 40
-        assert sorted(o["custom_id"] for o in done + unrun) == sorted(f"req-{i}" for i in range(40))
+        assert len(done) >= 2 and len(done) + len(unrun) == 200 and unrun
+        assert sorted(o["custom_id"] for o in done + unrun) == sorted(f"req-{i}" for i in range(200))
         assert all(e["error"]["code"] == "batch_cancelled" for e in unrun)
         assert c.request_counts.completed == len(done) and c.request_counts.failed == len(unrun)
         assert client.batches.cancel(b.id).status == "cancelled"  # cancelling again changes nothing
 
-        e = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="3s")
+        many = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # far more than 2 s of work
+        g = client.files.create(file=("long.jsonl", io.BytesIO(jsonl(many))), purpose="batch")
+        e = client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="2s")
         e = wait_status(client, e.id, ("expired",), timeout=60)
         done, unrun = read_jsonl(client, e.output_file_id), read_jsonl(client, e.error_file_id)
-        assert len(done) + len(unrun) == 40 and len(unrun) > 0 and e.expired_at
+        assert len(done) + len(unrun) == 200 and len(unrun) > 0 and e.expired_at
         assert all(x["error"]["code"] == "batch_expired" for x in unrun)
     finally:
         kill_group(srv.proc)
@@ -160,11 +162,11 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
     state = tmp_path / "state"
     srv = start(tiny_llama_dir, tmp_path, state, "--batch-concurrency", "4", name="first")
     client = client_for(srv)
-    lines = [chat_line(i, max_tokens=24, ignore_eos=True) for i in range(120)]
+    lines = [chat_line(i, max_tokens=16, ignore_eos=True) for i in range(80)]
     f = client.files.create(file=("crash.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120
-    while client.batches.retrieve(b.id).request_counts.completed < 30:
+    while client.batches.retrieve(b.id).request_counts.completed < 20:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     kill_group(srv.proc)  # SIGKILL to the server and its worker, lines in flight
@@ -173,8 +175,8 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
         client = client_for(srv)
         done = wait_status(client, b.id, ("completed",))
         out = read_jsonl(client, done.output_file_id)
-        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(120))  # each exactly once
-        assert (done.request_counts.completed, done.request_counts.failed) == (120, 0)
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(80))  # each exactly once
+        assert (done.request_counts.completed, done.request_counts.failed) == (80, 0)
         assert done.error_file_id is None
     finally:
         kill_group(srv.proc)

@@ -92,10 +92,10 @@ def test_regex_choice_and_grammar_hold(engine):
 def test_constrained_seeded_sampling_is_reproducible_across_batches(engine):
     tok = engine.tokenizer
     prompt = chat(tok, "Describe a user of our system as JSON.")
-    params = SamplingParams(max_tokens=160, temperature=1.0, seed=77, structured=("json", json.dumps(PERSON)))
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=77, structured=("json", json.dumps(PERSON)))
     alone = engine.generate([prompt], params)[0]
-    others = [SamplingParams(max_tokens=40, temperature=1.0, seed=s) for s in range(5)]
-    batched = engine.generate([prompt] + [chat(tok, f"Count to {i}") for i in range(5)], [params] + others)[0]
+    others = [SamplingParams(max_tokens=24, temperature=1.0, seed=s) for s in range(4)]
+    batched = engine.generate([prompt] + [chat(tok, f"Count to {i}") for i in range(4)], [params] + others)[0]
     assert_same_output(batched, alone, params, "constrained, batched vs alone")
 
 
@@ -122,9 +122,8 @@ def test_speculative_drafts_that_break_the_grammar_are_rejected_and_output_is_un
     sample = '{"name": "Ada Lovelace", "age": 36, "role": "admin", "address": {"city": "London", "zip": "12345"}, ' \
              '"tags": ["math", "poetry"]}'
     prompt = chat(tok, f"Repeat this JSON exactly: {sample} Then say: the name is Ada and the age is 36.")
-    cases = [SamplingParams(max_tokens=120, temperature=0.0, structured=("json", json.dumps(PERSON))),
-             SamplingParams(max_tokens=120, temperature=1.0, seed=5, structured=("json", json.dumps(PERSON))),
-             SamplingParams(max_tokens=40, temperature=0.0, structured=("regex", r"the name is [A-Za-z]+"))]
+    cases = [SamplingParams(max_tokens=100, temperature=1.0, seed=5, structured=("json", json.dumps(PERSON))),
+             SamplingParams(max_tokens=30, temperature=0.0, structured=("regex", r"the name is [A-Za-z]+"))]
     before = (spec_engine.stats.spec_drafted, spec_engine.stats.spec_accepted)
     for params in cases:
         plain = engine.generate([prompt], params)[0]
@@ -138,7 +137,7 @@ def test_speculative_drafts_that_break_the_grammar_are_rejected_and_output_is_un
 
 def test_a_replayed_constrained_request_continues_exactly(engine):
     prompt = chat(engine.tokenizer, "Describe a user of our system as JSON.")
-    params = SamplingParams(max_tokens=160, temperature=1.0, seed=4242, structured=("json", json.dumps(PERSON)))
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=4242, structured=("json", json.dumps(PERSON)))
     whole = engine.generate([prompt], params)[0]
     out = whole.output_token_ids
     for k in (1, len(out) - 1):
@@ -250,7 +249,7 @@ def test_preempted_constrained_requests_continue_exactly(engine, smollm2_fp32):
     small = Engine(model, config, EngineConfig(dtype="float32", kv_cache_bytes=9 << 20, block_size=16,
                                                record_logits=True), torch.float32, tokenizer)
     prompt = chat(tokenizer, "Describe a user of our system as JSON.")
-    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=900 + i, structured=("json", json.dumps(PERSON)))
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=900 + i, structured=("json", json.dumps(PERSON)))
               for i in range(4)]
     tight = small.generate([prompt] * 4, params)
     assert small.scheduler.num_preemptions > 0
