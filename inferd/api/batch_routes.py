@@ -111,7 +111,10 @@ async def _embed_line(state, tenant: Tenant, body: dict) -> LineOutcome:
 
 
 def install_batch_routes(app: FastAPI, state) -> None:
-    from .app import TENANT
+    from .app import TENANT, _errors
+
+    files_errors = _errors(400, 401, 404, 411, 413, 429)
+    batch_errors = _errors(400, 401, 404, 409, 413, 429)
 
     def store() -> BatchStore:
         if state.batches is None:
@@ -122,7 +125,7 @@ def install_batch_routes(app: FastAPI, state) -> None:
     def tenant_of(request: Request) -> str:
         return request.scope[TENANT].name
 
-    @app.post("/v1/files", response_model=None)
+    @app.post("/v1/files", response_model=None, responses=files_errors)
     async def upload(request: Request) -> dict:
         s = store()
         length = request.headers.get("content-length")
@@ -164,17 +167,17 @@ def install_batch_routes(app: FastAPI, state) -> None:
         finally:
             await form.close()
 
-    @app.get("/v1/files", response_model=None)
+    @app.get("/v1/files", response_model=None, responses=files_errors)
     async def list_files(request: Request, purpose: str | None = None, after: str | None = None,
                          limit: int = 100) -> dict:
         rows, more = store().list_files(tenant_of(request), purpose, after, max(1, min(limit, 10000)))
         return _listing([file_object(r) for r in rows], more)
 
-    @app.get("/v1/files/{file_id}", response_model=None)
+    @app.get("/v1/files/{file_id}", response_model=None, responses=files_errors)
     async def get_file(request: Request, file_id: str) -> dict:
         return file_object(store().get_file(tenant_of(request), file_id))
 
-    @app.get("/v1/files/{file_id}/content", response_model=None)
+    @app.get("/v1/files/{file_id}/content", response_model=None, responses=files_errors)
     async def file_content(request: Request, file_id: str) -> Response:
         s = store()
         s.get_file(tenant_of(request), file_id)
@@ -182,12 +185,12 @@ def install_batch_routes(app: FastAPI, state) -> None:
 
         return FileResponse(s.path(file_id), media_type="application/octet-stream")
 
-    @app.delete("/v1/files/{file_id}", response_model=None)
+    @app.delete("/v1/files/{file_id}", response_model=None, responses=files_errors)
     async def delete_file(request: Request, file_id: str) -> dict:
         store().delete_file(tenant_of(request), file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    @app.post("/v1/batches", response_model=None)
+    @app.post("/v1/batches", response_model=None, responses=batch_errors)
     async def create_batch(body: CreateBatchRequest, request: Request) -> dict:
         s = store()
         tenant = tenant_of(request)
@@ -204,16 +207,16 @@ def install_batch_routes(app: FastAPI, state) -> None:
         state.batch_runner.wake()
         return batch_object(row)
 
-    @app.get("/v1/batches/{batch_id}", response_model=None)
+    @app.get("/v1/batches/{batch_id}", response_model=None, responses=batch_errors)
     async def get_batch(request: Request, batch_id: str) -> dict:
         return batch_object(store().get_batch(tenant_of(request), batch_id))
 
-    @app.get("/v1/batches", response_model=None)
+    @app.get("/v1/batches", response_model=None, responses=batch_errors)
     async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> dict:
         rows, more = store().list_batches(tenant_of(request), after, max(1, min(limit, 100)))
         return _listing([batch_object(r) for r in rows], more)
 
-    @app.post("/v1/batches/{batch_id}/cancel", response_model=None)
+    @app.post("/v1/batches/{batch_id}/cancel", response_model=None, responses=batch_errors)
     async def cancel_batch(request: Request, batch_id: str) -> dict:
         s = store()
         row = s.get_batch(tenant_of(request), batch_id)

@@ -31,7 +31,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     from servers import kill_group
 
     tmp = tmp_path_factory.mktemp("batches")
-    srv = start(tiny_llama_dir, tmp, tmp / "state")
+    srv = start(tiny_llama_dir, tmp, tmp / "state", "--batch-concurrency", "2")  # batches that last
     yield srv
     kill_group(srv.proc)
 
@@ -118,42 +118,36 @@ def test_bad_lines_land_in_the_error_file_and_malformed_files_fail_with_line_num
     assert b.request_counts.total == 0 and b.output_file_id is None
 
 
-def test_cancel_and_expiry(tiny_llama_dir, tmp_path):
-    from servers import kill_group
+def test_cancel_and_expiry(server):
+    client = client_for(server)
+    lines = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # ~10 s of work
+    f = client.files.create(file=("slow.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until = time.monotonic() + 60
+    while client.batches.retrieve(b.id).request_counts.completed < 2:
+        assert time.monotonic() < wait_until
+        time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError) as err:  # the input of a running batch stays
+        client.files.delete(f.id)
+    assert err.value.body["param"] == "file_id"
+    c = client.batches.cancel(b.id)
+    assert c.status in ("cancelling", "cancelled")
+    c = wait_status(client, b.id, ("cancelled",))
+    done = read_jsonl(client, c.output_file_id)
+    unrun = read_jsonl(client, c.error_file_id)
+    assert len(done) >= 2 and len(done) + len(unrun) == 200 and unrun
+    assert sorted(o["custom_id"] for o in done + unrun) == sorted(f"req-{i}" for i in range(200))
+    assert all(e["error"]["code"] == "batch_cancelled" for e in unrun)
+    assert c.request_counts.completed == len(done) and c.request_counts.failed == len(unrun)
+    assert client.batches.cancel(b.id).status == "cancelled"  # cancelling again changes nothing
 
-    srv = start(tiny_llama_dir, tmp_path, tmp_path / "state", "--batch-concurrency", "1", name="slow")
-    try:
-        client = client_for(srv)
-        lines = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # ~10 s of work
-        f = client.files.create(file=("slow.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        wait_until = time.monotonic() + 60
-        while client.batches.retrieve(b.id).request_counts.completed < 2:
-            assert time.monotonic() < wait_until
-            time.sleep(0.05)
-        with pytest.raises(openai.BadRequestError) as err:  # the input of a running batch stays
-            client.files.delete(f.id)
-        assert err.value.body["param"] == "file_id"
-        c = client.batches.cancel(b.id)
-        assert c.status in ("cancelling", "cancelled")
-        c = wait_status(client, b.id, ("cancelled",))
-        done = read_jsonl(client, c.output_file_id)
-        unrun = read_jsonl(client, c.error_file_id)
-        assert len(done) >= 2 and len(done) + len(unrun) == 200 and unrun
-        assert sorted(o["custom_id"] for o in done + unrun) == sorted(f"req-{i}" for i in range(200))
-        assert all(e["error"]["code"] == "batch_cancelled" for e in unrun)
-        assert c.request_counts.completed == len(done) and c.request_counts.failed == len(unrun)
-        assert client.batches.cancel(b.id).status == "cancelled"  # cancelling again changes nothing
-
-        many = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # far more than 2 s of work
-        g = client.files.create(file=("long.jsonl", io.BytesIO(jsonl(many))), purpose="batch")
-        e = client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="2s")
-        e = wait_status(client, e.id, ("expired",), timeout=60)
-        done, unrun = read_jsonl(client, e.output_file_id), read_jsonl(client, e.error_file_id)
-        assert len(done) + len(unrun) == 200 and len(unrun) > 0 and e.expired_at
-        assert all(x["error"]["code"] == "batch_expired" for x in unrun)
-    finally:
-        kill_group(srv.proc)
+    many = [chat_line(i, max_tokens=60, ignore_eos=True) for i in range(200)]  # far more than 2 s of work
+    g = client.files.create(file=("long.jsonl", io.BytesIO(jsonl(many))), purpose="batch")
+    e = client.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="2s")
+    e = wait_status(client, e.id, ("expired",), timeout=60)
+    done, unrun = read_jsonl(client, e.output_file_id), read_jsonl(client, e.error_file_id)
+    assert len(done) + len(unrun) == 200 and len(unrun) > 0 and e.expired_at
+    assert all(x["error"]["code"] == "batch_expired" for x in unrun)
 
 
 def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny_llama_dir, tmp_path):
@@ -162,7 +156,7 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
     state = tmp_path / "state"
     srv = start(tiny_llama_dir, tmp_path, state, "--batch-concurrency", "4", name="first")
     client = client_for(srv)
-    lines = [chat_line(i, max_tokens=16, ignore_eos=True) for i in range(80)]
+    lines = [chat_line(i, max_tokens=16, ignore_eos=True) for i in range(60)]
     f = client.files.create(file=("crash.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120
@@ -175,8 +169,8 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
         client = client_for(srv)
         done = wait_status(client, b.id, ("completed",))
         out = read_jsonl(client, done.output_file_id)
-        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(80))  # each exactly once
-        assert (done.request_counts.completed, done.request_counts.failed) == (80, 0)
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(60))  # each exactly once
+        assert (done.request_counts.completed, done.request_counts.failed) == (60, 0)
         assert done.error_file_id is None
     finally:
         kill_group(srv.proc)

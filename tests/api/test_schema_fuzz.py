@@ -52,6 +52,16 @@ GENERATED = {
     "GET /health": 1,
     "GET /ready": 1,
     "GET /metrics": 1,
+    "POST /v1/embeddings": 4,
+    "POST /v1/batches": 3,
+    "GET /v1/batches": 2,
+    "GET /v1/batches/{batch_id}": 2,
+    "POST /v1/batches/{batch_id}/cancel": 2,
+    "POST /v1/files": 2,
+    "GET /v1/files": 2,
+    "GET /v1/files/{file_id}": 2,
+    "GET /v1/files/{file_id}/content": 2,
+    "DELETE /v1/files/{file_id}": 2,
 }
 
 # operation -> explicit requests ({"body": ...} or {"path_parameters": ...}) that must succeed

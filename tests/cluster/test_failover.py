@@ -1,4 +1,4 @@
-"""A worker killed (kill -9, by fault injection at a chosen step) while it serves 16 concurrent streams, greedy and
+"""A worker killed (kill -9, by fault injection at a chosen step) while it serves 10 concurrent streams, greedy and
 seeded: every stream completes, uninterrupted, each equal to the same request on an undisturbed server (exactness
 rule), once with the crash during prefill and once during decode. And a hung worker (SIGSTOP) is given up within the
 heartbeat timeout + 2 s, its streams move, and the tokens it sends after SIGCONT are dropped, never duplicated."""
@@ -23,8 +23,8 @@ import httpx
 
 pytestmark = pytest.mark.timeout(300)
 
-N_STREAMS = 16
-MAX_TOKENS = 40
+N_STREAMS = 10
+MAX_TOKENS = 32
 
 
 def bodies(prompts: list[list[int]]) -> list[dict]:
@@ -183,10 +183,10 @@ def test_a_constrained_stream_whose_worker_is_killed_continues_exactly(cluster, 
     """JSON-schema-constrained streams (greedy and seeded, fp32) on the worker that kill -9s itself in decode: the
     replay's matcher is rebuilt from the tokens already sent, so every stream continues exactly (exactness rule) and
     its output validates."""
-    prompts = random_prompts(6, (20, 60), seed=23)
+    prompts = random_prompts(4, (20, 60), seed=23)
     server = cluster("--workers", "2", "--threads", "1", "--heartbeat-timeout", "1.0",
                      env={"INFERD_FAULT": "action=crash,phase=decode,step=8,worker=worker-0"}, name="constrained")
-    requests = [request_body("tiny", p, 120, None if i % 2 == 0 else 300 + i, ignore_eos=False,
+    requests = [request_body("tiny", p, 100, None if i % 2 == 0 else 300 + i, ignore_eos=False,
                              structured_outputs={"json": SCHEMA}) for i, p in enumerate(prompts)]
     ours = asyncio.run(run_all(server.url, requests))
     assert server.metrics().get('inferd_replays_total{reason="worker_lost"}', 0) >= 1
@@ -207,4 +207,4 @@ def test_a_constrained_stream_whose_worker_is_killed_continues_exactly(cluster, 
             assert len(a.tokens) == len(b.tokens) and a.finish_reason == b.finish_reason
         if a.finish_reason == "stop":
             jsonschema.validate(json.loads(smollm2_tokenizer.decode(a.tokens)), SCHEMA)
-    assert sum(a.finish_reason == "stop" for a in ours) >= 3  # most completed their JSON (the rest: max_tokens)
+    assert sum(a.finish_reason == "stop" for a in ours) >= 2  # most completed their JSON (the rest: max_tokens)

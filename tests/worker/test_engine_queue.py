@@ -1,6 +1,7 @@
 """The engine's waiting queue is bounded (ENGINE_MAX_WAITING): several gateways may each fill their room on one
 worker, so past the bound the worker refuses new requests retryably (the gateway sends them elsewhere) instead of
-queueing without end. An echo worker with one batch slot, slowed to 20 ms a step, gets 260 requests at once."""
+queueing without end. An echo worker with one batch slot, its first two steps slowed to 500 ms (so that nothing
+finishes while the requests arrive, however loaded the machine), gets 260 requests at once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from inferd.worker.client import WorkerClient, WorkerUnavailable
 
 def test_past_the_bound_requests_are_refused_retryably(spawn_worker):
     proc = spawn_worker("--echo", "--max-num-seqs", "1", "--heartbeat-interval", "0.1",
-                        env={"INFERD_FAULT": "action=slow,ms=20,times=0"})
+                        env={"INFERD_FAULT": "action=slow,ms=500,times=2"})
     n = ENGINE_MAX_WAITING + 4
 
     async def main():
