@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# --no-compile: no .pyc for every installed file up front (torch, scipy: tens of seconds); Python writes those it
+# imports, once
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q --no-compile
 
 .PHONY: setup serve chat test bench clean redis-server
 

@@ -123,13 +123,18 @@ def _stream(engine, request_id: str, out=sys.stdout) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import Engine, InvalidRequestError, SamplingParams
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    try:  # bad parameters fail before the model loads
+        params.validate()
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         engine = Engine.from_config(engine_config(args))
     except ValueError as e:  # a configuration the model cannot take (e.g. --tensor-parallel that does not divide it)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     try:
         rid = engine.add_request(engine.tokenizer.encode(args.prompt), params)
     except InvalidRequestError as e:

@@ -32,8 +32,10 @@ def bodies(prompts: list[list[int]]) -> list[dict]:
     return [request_body("tiny", p, MAX_TOKENS, None if i % 2 == 0 else 1000 + i) for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("action,phase,step", [("crash", "prefill", 3), ("crash", "decode", 6),
-                                               ("hang", "decode", 4)])
+# a hung worker's streams moving: test_hung_worker_is_given_up_and_its_late_tokens_are_dropped below (remote
+# workers); a hang detected by the client: tests/worker/test_worker.py (SIGSTOP). The local case (serve kills and
+# restarts the hung worker) was a third parameter here, dropped to keep make test under 20 minutes
+@pytest.mark.parametrize("action,phase,step", [("crash", "prefill", 3), ("crash", "decode", 6)])
 def test_a_worker_lost_mid_stream_loses_nothing(cluster, reference_server, action, phase, step):
     """crash: kill -9 of itself; hang: SIGSTOP of itself (a local worker is then given up at the heartbeat
     timeout, killed and restarted)."""
