@@ -170,6 +170,9 @@ def test_the_fake_kernels_agree_with_the_ops(fused):
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
     torch.library.opcheck(torch.ops.inferd.rope_kv_write,
                           (qkv, torch.arange(T), tab.cos(), tab.sin(), kc, vc, torch.randperm(64 * 16)[:T], H, KV))
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, 4), dtype=torch.int32, generator=g)
+    torch.library.opcheck(torch.ops.inferd.apply_token_bitmask,
+                          (torch.randn(rows, 100, generator=g), mask, torch.tensor([0, 2])))
 
 
 @pytest.mark.parametrize("vocab", [49152, 1000, 37])
