@@ -24,6 +24,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..config import TOOL_CALL_PARSERS  # noqa: F401 (the names of FORMATS)
@@ -35,18 +36,25 @@ class ToolFormat:
     name: str
     xgrammar_model: str  # xgrammar's structural tag builder for this format
     trigger: str  # the text that opens a call
-    head: re.Pattern  # a call's start up to its arguments, capturing the function's name
+    prefix: str  # a call's start up to the function's name: PREFIX NAME MIDDLE ARGUMENTS TAIL
+    middle: str  # between the name and the arguments object
     tail: str  # what closes a call after its arguments object
     separator: str  # between two calls when the output is calls only (tool_choice required)
     filler: str  # characters around calls that are not content (dropped when a call follows or precedes them)
 
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", "qwen_3", "<tool_call>",
-                         re.compile(r'<tool_call>\n\{"name": "([^"\\]+)", "arguments": '), "}\n</tool_call>", "\n", " \t\r\n"),
-    "llama3_json": ToolFormat("llama3_json", "llama", '{"name": ',
-                              re.compile(r'\{"name": "([^"\\]+)", "parameters": '), "}", "; ", " \t\r\n;"),
+    "hermes": ToolFormat("hermes", "qwen_3", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ',
+                         "}\n</tool_call>", "\n", " \t\r\n"),
+    "llama3_json": ToolFormat("llama3_json", "llama", '{"name": ', '{"name": "', '", "parameters": ', "}", "; ",
+                              " \t\r\n;"),
 }
+
+
+@lru_cache(maxsize=None)
+def _head(fmt: ToolFormat) -> re.Pattern:
+    """A call's start up to its arguments, capturing the function's name."""
+    return re.compile(re.escape(fmt.prefix) + r'([^"\\]+)' + re.escape(fmt.middle))
 
 FALLBACK_SYSTEM_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
@@ -260,7 +268,7 @@ class ToolCallParser:
         self._emit_text(out, text)
 
     def _head(self, out: list, final: bool) -> None:
-        m = self.fmt.head.match(self._buf)
+        m = _head(self.fmt).match(self._buf)
         if m is None:
             # not (yet) a call's head: once it can no longer become one, it is text
             if len(self._buf) > 512 or not _could_be_head(self._buf, self.fmt):
@@ -310,16 +318,12 @@ class ToolCallParser:
 
 def _could_be_head(buf: str, fmt: ToolFormat) -> bool:
     """Whether buf is a prefix of some call head (a name of any characters but quotes)."""
-    # the head is PREFIX "NAME" MIDDLE: compare buf with the prefix, then allow a name, then the middle
-    prefix = fmt.trigger if fmt.name == "llama3_json" else '<tool_call>\n{"name": '
-    prefix += '"'
-    middle = '", "arguments": ' if fmt.name == "hermes" else '", "parameters": '
-    if len(buf) <= len(prefix):
-        return prefix.startswith(buf)
-    if not buf.startswith(prefix):
+    if len(buf) <= len(fmt.prefix):
+        return fmt.prefix.startswith(buf)
+    if not buf.startswith(fmt.prefix):
         return False
-    rest = buf[len(prefix):]
+    rest = buf[len(fmt.prefix):]
     q = rest.find('"')
     if q < 0:
         return "\\" not in rest
-    return middle.startswith(rest[q:]) or rest[q:].startswith(middle)
+    return fmt.middle.startswith(rest[q:]) or rest[q:].startswith(fmt.middle)
