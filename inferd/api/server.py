@@ -28,6 +28,14 @@ log = logging.getLogger("inferd.api")
 
 
 @dataclass
+class EmbeddingModelSpec:
+    """An embedding model served beside the generation model (--embedding-model)."""
+    path: str  # its folder or .gguf (the tokenizer is loaded from it)
+    name: str  # the served name (what `model` gives, what its workers announce)
+    worker_args: list[str] | None  # `inferd worker` options of its local worker (serve); None: remote (gateway)
+
+
+@dataclass
 class ServeOptions:
     host: str
     port: int
@@ -62,8 +70,8 @@ class ServeOptions:
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
-    embedding_model_path: str | None = None  # an embedding model served beside (its folder)
-    embedding_worker_args: list[str] = field(default_factory=list)  # `inferd worker --task embed ...` options
+    embedding_models: list[EmbeddingModelSpec] = field(default_factory=list)  # embedding models served beside
+    embedding_workers: list[str] = field(default_factory=list)  # HOST:PORT of the (one) embedding model's workers
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
     autoscale: object | None = None  # an AutoscalerConfig: compute (and export) the desired workers
     autoscale_local: bool = False  # and start/stop local workers to match
@@ -148,7 +156,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
             m.get("accepted_tokens", 0))
 
     backend = _backend(opts, router, hook_metrics)
-    embed = _embedding_backend(opts, limiter, metrics) if opts.embedding_model_path else None
+    embeds = [_EmbeddingBackend(spec, opts, limiter) for spec in opts.embedding_models]
+    metrics.embedding_passes.set_function(lambda: sum(
+        w.latest_stats.num_steps for e in embeds for w in e.router.workers if w.latest_stats is not None))
     # our own drain does the graceful part; uvicorn then only flushes what is left
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol_class(opts.http_head_timeout), lifespan="off",
                             timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
@@ -159,7 +169,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
     starting = asyncio.gather(backend.start(), _load_serving(state, opts),
-                              *([embed.start(state, opts)] if embed is not None else []))
+                              *(e.start(state) for e in embeds))
     await asyncio.wait({starting, serving, asyncio.ensure_future(stop_requested.wait())},
                        return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # stopped by a signal while loading
@@ -168,8 +178,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         server.should_exit = True
         await serving
         await backend.stop(0.0)
-        if embed is not None:
-            await embed.stop()
+        await _stop_all(embeds)
         return 0
     if starting.exception() is not None:
         error = starting.exception()
@@ -177,8 +186,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         server.should_exit = True
         await serving
         await backend.stop(0.0)
-        if embed is not None:
-            await embed.stop()
+        await _stop_all(embeds)
         return 1
     extras = _start_cluster_services(opts, state, backend)
     batch_lock = _start_batches(state, opts)
@@ -207,50 +215,60 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         batch_lock.close()
     await limiter.close()
     await backend.stop(0.0)
-    if embed is not None:
-        await embed.stop()
+    await _stop_all(embeds)
     return 0
 
 
 class _EmbeddingBackend:
-    """The embedding model's workers (local, `inferd worker --task embed`), their router and their waiting line
-    (the same limiter: the same tenants' quotas)."""
+    """One embedding model's workers (local: `inferd worker --task embed` started here; remote: given or found in
+    the registry, announcing this model), their router and their waiting line (the same limiter: the same
+    tenants' quotas)."""
 
-    def __init__(self, opts: ServeOptions, limiter, metrics):
-        from ..cluster.pool import WorkerPool
+    def __init__(self, spec: EmbeddingModelSpec, opts: ServeOptions, limiter):
         from ..gateway.admission import Gateway, GatewayOptions
         from ..gateway.router import Router
 
+        self.spec = spec
         self.router = Router()
         self.gateway = Gateway(self.router, limiter, GatewayOptions(
             opts.max_queue_requests, opts.max_queue_tokens, opts.queue_timeout, opts.fairness,
             opts.worker_queue_depth, tenant_queue_share=opts.tenant_queue_share if opts.keys_path else 1.0), None)
-        self.pool = WorkerPool(self.router, lambda version: opts.embedding_worker_args, opts.heartbeat_timeout,
-                               None, secret=opts.worker_secret, name_prefix="embed")
-        metrics.embedding_passes.set_function(
-            lambda: sum(w.latest_stats.num_steps for w in self.router.workers if w.latest_stats is not None))
+        self.gateway.replay_timeout = opts.replay_timeout
+        if spec.worker_args is not None:
+            from ..cluster.pool import WorkerPool
 
-    async def start(self, state, opts: ServeOptions) -> None:
-        from transformers import AutoTokenizer
+            self.pool = WorkerPool(self.router, lambda version: spec.worker_args, opts.heartbeat_timeout, None,
+                                   secret=opts.worker_secret, name_prefix="embed")
+            self.remote = None
+        else:
+            from ..cluster.remote import RemoteWorkers
 
-        from ..engine.embedding import embedding_model_name
+            self.pool = None
+            self.remote = RemoteWorkers(self.router, opts.embedding_workers, opts.registry_url,
+                                        opts.heartbeat_timeout, None, secret=opts.worker_secret.encode(),
+                                        model=spec.name, task="embed")
+
+    async def start(self, state) -> None:
+        from ..engine.embedding import embedding_tokenizer
         from .embeddings import EmbeddingService
 
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, opts.embedding_model_path)
-        await self.pool.add(1)
-        name = embedding_model_name(opts.embedding_model_path)
-        state.embeddings = EmbeddingService(self.router, self.gateway, tokenizer, name)
-        while state.serving is None:  # the generation side's tokenizer loads beside
-            await asyncio.sleep(0.05)
-        state.serving.embedding_model = name
+        encode = await asyncio.to_thread(embedding_tokenizer, self.spec.path)
+        if self.pool is not None:
+            await self.pool.add(1)
+        else:
+            await self.remote.start()
+        state.embeddings[self.spec.name] = EmbeddingService(self.router, self.gateway, encode, self.spec.name)
 
     async def stop(self) -> None:
         self.gateway.close()
-        await self.pool.stop_all(0.0)
+        if self.pool is not None:
+            await self.pool.stop_all(0.0)
+        else:
+            await self.remote.stop()
 
 
-def _embedding_backend(opts: ServeOptions, limiter, metrics) -> _EmbeddingBackend:
-    return _EmbeddingBackend(opts, limiter, metrics)
+async def _stop_all(embeds: list[_EmbeddingBackend]) -> None:
+    await asyncio.gather(*(e.stop() for e in embeds), return_exceptions=True)
 
 
 def _start_batches(state, opts: ServeOptions):
@@ -307,7 +325,8 @@ def _backend(opts: ServeOptions, router, on_attach):
         # workers must serve the model whose tokenizer this gateway loads (named as `inferd worker` names it)
         return RemoteBackend(RemoteWorkers(router, opts.remote_workers, opts.registry_url, opts.heartbeat_timeout,
                                            on_attach, secret=opts.worker_secret.encode(),
-                                           model=default_served_name(opts.model_path)))
+                                           model=default_served_name(opts.model_path), task="generate",
+                                           known_models={spec.name for spec in opts.embedding_models}))
     from ..cluster.pool import WorkerPool
 
     return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach,
@@ -447,6 +466,7 @@ async def _load_serving(state, opts: ServeOptions) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, opts.model_path)
     state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics,
                                   tool_call_parser=opts.tool_call_parser)
+    state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
 
 
 def default_served_name(model_path: str) -> str:

@@ -171,10 +171,10 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prepare, req, received_at)
 
     # ---- preparation ----------------------------------------------------------------------------------------
-    embedding_model: str | None = None  # the name of the embedding model served beside (a 400 here, not a 404)
+    embedding_models: frozenset[str] = frozenset()  # the embedding models served beside (a 400 here, not a 404)
 
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested == self.embedding_model:
+        if requested is not None and requested in self.embedding_models:
             raise invalid(f"`{requested}` is an embedding model: use /v1/embeddings (this endpoint serves "
                           f"`{self.model_name}`)", param="model", code="wrong_model_kind")
         if requested is not None and requested != self.model_name:

@@ -50,11 +50,13 @@ class Backoff:
 
 class RemoteWorker:
     def __init__(self, address: str, router: Router, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 on_attach=None, secret: bytes = b"", model: str | None = None):
-        """model: the name a worker must announce to be attached (the model this gateway serves); None: any."""
+                 on_attach=None, secret: bytes = b"", model: str | None = None, task: str | None = None):
+        """model: the name a worker must announce to be attached (the model this gateway serves); None: any.
+        task: the task it must announce (generate | embed); None: any."""
         self.address = address
         self.secret = secret
         self.model = model
+        self.task = task
         self.host, self.port = parse_address(address)
         self.router = router
         self.heartbeat_timeout = heartbeat_timeout
@@ -108,6 +110,8 @@ class RemoteWorker:
         finds incompatible with the workers attached (vocabulary, stop tokens)."""
         if self.model is not None and hello.model != self.model:
             return f"it serves the model {hello.model!r}, this gateway {self.model!r}"
+        if self.task is not None and hello.task != self.task:
+            return f"it is a worker of the {hello.task!r} task, wanted here for {self.task!r}"
         return self.router.incompatibility(hello)
 
     async def stop(self) -> None:
@@ -125,11 +129,15 @@ class RemoteWorkers:
 
     def __init__(self, router: Router, addresses: list[str], registry_url: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: bytes = b"",
-                 model: str | None = None):
-        """model: the model this gateway serves: a worker announcing another one is not attached (None: any)."""
+                 model: str | None = None, task: str | None = None, known_models: set[str] = frozenset()):
+        """model: the model this gateway serves: a worker announcing another one is not attached (None: any).
+        task: the task its workers must announce. known_models: other models this gateway serves through other
+        RemoteWorkers (their registered workers are not ours, and not worth a log line)."""
         self.router = router
         self.secret = secret
         self.model = model
+        self.task = task
+        self.known_models = set(known_models)
         self._other_models: set[str] = set()  # registered workers of another model (logged once each)
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
@@ -160,7 +168,8 @@ class RemoteWorkers:
             self.router.on_change.remove(attached.set)
 
     def _add(self, address: str) -> None:
-        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret, self.model)
+        worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret, self.model,
+                              self.task)
         self.workers[address] = worker
         worker.start()
 
@@ -192,7 +201,7 @@ class RemoteWorkers:
         model = entry.get("model")
         if self.model is None or not model or model == self.model:
             return True
-        if entry["worker_id"] not in self._other_models:
+        if model not in self.known_models and entry["worker_id"] not in self._other_models:
             self._other_models.add(entry["worker_id"])
             log.info("not connecting to the registered worker %s at %s: it serves %r, this gateway %r",
                      entry["worker_id"], entry["address"], model, self.model)

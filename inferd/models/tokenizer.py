@@ -75,9 +75,20 @@ def gguf_tokenizer_cache_path(path: str | os.PathLike[str]) -> Path:
     return cache_dir() / "tokenizers" / _gguf_cache_key(os.path.abspath(os.fspath(path)))
 
 
+_LAZY_IMPORT = threading.Lock()
+
+
+def auto_tokenizer():
+    """transformers.AutoTokenizer. Its lazy module resolves names unsafely from two threads at once (one of them
+    gets an ImportError): the API process loads its tokenizers on threads side by side, so they resolve it here."""
+    with _LAZY_IMPORT:
+        from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> "Tokenizer":
     """Load the tokenizer of a HF model folder or of a .gguf file (converted once, then cached)."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = auto_tokenizer()
 
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):

@@ -387,12 +387,17 @@ def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
         engine.close()  # tensor parallel: the other ranks exit
 
 
-def run_embed_worker(config: EngineConfig, opts: WorkerRunOptions, max_wait_s: float, max_batch_tokens: int) -> int:
+def run_embed_worker(config: EngineConfig, opts: WorkerRunOptions, max_wait_s: float, max_batch_tokens: int,
+                     pooling: str = "auto", normalize: str = "auto") -> int:
     """`inferd worker --task embed`: an embedding model (inferd/engine/embedding.py) behind the same protocol."""
     from ..engine.embedding import EmbedEngine
 
     _start_process(opts)
-    engine = EmbedEngine.from_config(config, max_wait_s, max_batch_tokens)
+    try:
+        engine = EmbedEngine.from_config(config, max_wait_s, max_batch_tokens, pooling, normalize)
+    except ValueError as e:
+        log.error("cannot start the embedding worker: %s", e)
+        return 2
     log.info("embedding worker: %s (%d dimensions, %s pooling%s, context %d)", engine.embedder.folder,
              engine.embedder.dim, engine.embedder.pooling.mode,
              ", normalized" if engine.embedder.pooling.normalize else "", engine.max_model_len)

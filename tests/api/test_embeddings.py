@@ -1,4 +1,5 @@
-"""/v1/embeddings against a real `inferd serve --embedding-model default` (the tiny Llama as its chat model), with
+"""/v1/embeddings against a real `inferd serve --embedding-model default --embedding-model TINY` (the tiny Llama as its
+chat model, and again as a decoder embedding model run by our own engine), with
 the official `openai` client: vectors equal sentence-transformers' on the same weights (cosine >= 0.9999 per text)
 for strings, lists and token ids; 64 concurrent requests served in fewer model passes than requests with the same
 vectors as one at a time; a chat and an embedding model behind one server; bad inputs are 400s."""
@@ -28,7 +29,8 @@ def server(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("embed") / "serve.log"
     srv = start_server(tiny_llama_dir, log, "--max-model-len", "256", "--kv-cache-bytes", "32M", "--state-dir",
                        str(log.parent / "state"),
-                       "--embedding-model", "default", "--heartbeat-interval", "0.1", "--embed-max-wait-ms", "20",
+                       "--embedding-model", "default", "--embedding-model", str(tiny_llama_dir),
+                       "--heartbeat-interval", "0.1", "--embed-max-wait-ms", "20",
                        model_name="tiny")
     yield srv
     kill_group(srv.proc)
@@ -115,7 +117,7 @@ def test_concurrent_requests_are_batched_with_the_same_vectors(server):
 
 def test_a_chat_and_an_embedding_model_behind_one_server(client, server):
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["tiny", "all-MiniLM-L6-v2"]
+    assert ids[:2] == ["tiny", "all-MiniLM-L6-v2"] and len(ids) == 3
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.choices[0].message.content is not None
     with pytest.raises(openai.BadRequestError) as e:
@@ -158,3 +160,28 @@ def test_a_batch_of_embeddings(client, reference):
     expected = reference.encode(TEXTS, convert_to_numpy=True)
     for o, e in zip(sorted(out, key=lambda o: int(o["custom_id"][1:])), expected):
         assert cosine(o["response"]["body"]["data"][0]["embedding"], e) >= 0.9999
+
+
+def test_a_decoder_model_embeds_through_our_engine(client, server, tiny_llama_dir):
+    """The second --embedding-model is a decoder (our engine's): last-token pooling, normalized, equal to Hugging
+    Face's LlamaModel on the same weights; `model` picks it, no `model` picks the first one."""
+    import torch
+    from transformers import AutoModel
+
+    from inferd.models.tokenizer import load_tokenizer
+
+    name = tiny_llama_dir.name
+    assert [m.id for m in client.models.list().data] == ["tiny", "all-MiniLM-L6-v2", name]
+    assert client.models.retrieve(name).id == name
+    got = client.embeddings.create(model=name, input=TEXTS[:4])
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    model = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for d, text in zip(got.data, TEXTS[:4]):
+        ids = tokenizer.encode(text)
+        with torch.inference_mode():
+            last = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].double().numpy()
+        assert len(d.embedding) == model.config.hidden_size and cosine(d.embedding, last) >= 0.9999
+        assert abs(np.linalg.norm(d.embedding) - 1.0) < 1e-4
+    assert got.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in TEXTS[:4])
+    first = httpx.post(server.url + "/v1/embeddings", json={"input": "no model named"}, timeout=60).json()
+    assert first["model"] == "all-MiniLM-L6-v2" and len(first["data"][0]["embedding"]) == 384  # the first one's

@@ -9,8 +9,10 @@ import json
 import logging
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 from cluster_util import versions, wait_for
 import redis
@@ -100,6 +102,59 @@ def test_a_worker_of_another_model_is_not_attached(cluster, redis_url, tiny_llam
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "ours"
         assert "authenticated" not in workers[2].log_path.read_text()  # never even connected to
+    finally:
+        for w in workers:
+            kill_group(w.proc)
+
+
+def test_embedding_workers_register_and_a_killed_one_loses_no_input(cluster, redis_url, tiny_llama_dir, tmp_path):
+    """`inferd gateway --redis --embedding-model M` finds M's embedding workers (`worker --task embed --register`)
+    beside the chat workers; SIGKILL of one of them while inputs wait in it: every request still answers 200, with
+    the vectors of a calm run (its inputs run again on the other worker)."""
+    db = redis_url.rsplit("/", 1)[0] + "/6"
+    redis.Redis.from_url(db).flushdb()
+    embedder = tmp_path / "tiny-embedder"  # the decoder, under a name of its own (workers are told apart by name)
+    embedder.symlink_to(tiny_llama_dir, target_is_directory=True)
+    # inputs wait 1.5 s in a worker for others to join: the window in which one is killed
+    slow = ("--task", "embed", "--register", db, "--embed-max-wait-ms", "1500")
+    with ThreadPoolExecutor(3) as pool:  # started side by side
+        starting = [pool.submit(start_worker, tmp_path, tiny_llama_dir, "reg-chat", "--register", db),
+                    pool.submit(start_worker, tmp_path, embedder, "emb-a", *slow),
+                    pool.submit(start_worker, tmp_path, embedder, "emb-b", *slow)]
+    workers = [f.result() for f in starting if f.exception() is None]
+    try:
+        assert len(workers) == 3, [f.exception() for f in starting]
+        gateway = cluster("--redis", db, "--embedding-model", str(embedder), "--admin-key", "adm",
+                          command="gateway", name="embed-gateway")
+        admin = {"Authorization": "Bearer adm"}
+
+        def embedding_workers() -> dict:
+            cards = httpx.get(gateway.url + "/admin/workers", headers=admin, timeout=10).json()
+            return {c["worker_id"]: c for c in cards["embedding_workers"]["tiny-embedder"]}
+
+        wait_for(lambda: {w for w, c in embedding_workers().items() if c["usable"]} == {"emb-a", "emb-b"})
+        models = [m["id"] for m in httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]]
+        assert models == ["tiny", "tiny-embedder"]
+        inputs = [[f"text {i} number {j}" for j in range(3)] for i in range(12)]
+        url = gateway.url + "/v1/embeddings"
+        calm = [httpx.post(url, json={"model": "tiny-embedder", "input": x}, timeout=60).json() for x in inputs[:2]]
+
+        async def load():
+            async with httpx.AsyncClient(timeout=60) as c:
+                sent = [asyncio.ensure_future(c.post(url, json={"model": "tiny-embedder", "input": x}))
+                        for x in inputs]
+                while not embedding_workers()["emb-a"]["streams"]:  # inputs are waiting in emb-a
+                    await asyncio.sleep(0.02)
+                os.kill(workers[1].pid, signal.SIGKILL)
+                return await asyncio.gather(*sent)
+
+        responses = asyncio.run(load())
+        assert [r.status_code for r in responses] == [200] * len(inputs)
+        for r, expected in zip(responses, calm):
+            for got, want in zip(r.json()["data"], expected["data"]):
+                a, b = np.asarray(got["embedding"]), np.asarray(want["embedding"])
+                assert float(a @ b) >= 0.9999  # normalized vectors: the dot product is the cosine
+        wait_for(lambda: {w for w, c in embedding_workers().items() if c["usable"]} == {"emb-b"})
     finally:
         for w in workers:
             kill_group(w.proc)
