@@ -132,7 +132,11 @@ def build_app(state: ServerState) -> FastAPI:
         tenant: Tenant = request.scope[TENANT]
         band = _requested_band(request, tenant)
         try:
-            out = await service.create(body, tenant, band, _requested_timeout(request, band), _cache_salt(tenant))
+            # a client that disconnects cancels the request: its inputs are aborted in the worker, its slot freed
+            out = await _until_disconnect(request.receive, service.create(
+                body, tenant, band, _requested_timeout(request, band), _cache_salt(tenant)))
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         except APIError:
             raise
         except RateLimited as e:
