@@ -29,7 +29,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_gateway_finds_registered_workers(cluster, redis_url, tiny_llama_dir, tmp_path):
     db = redis_url.rsplit("/", 1)[0] + "/5"  # a database of its own: no other test's keys
     redis.Redis.from_url(db).flushdb()
-    first = start_worker(tmp_path, tiny_llama_dir, "reg-a", "--register", db, "--heartbeat-interval", "0.1")
+    # echo workers (no weights: they start in a fraction of the time); discovery is what is tested here
+    first = start_worker(tmp_path, tiny_llama_dir, "reg-a", "--register", db, "--heartbeat-interval", "0.1", "--echo")
     workers = [first]
     try:
         gateway = cluster("--redis", db, command="gateway", name="registry-gateway")
@@ -37,7 +38,7 @@ def test_gateway_finds_registered_workers(cluster, redis_url, tiny_llama_dir, tm
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "reg-a"
         workers.append(start_worker(tmp_path, tiny_llama_dir, "reg-b", "--register", db, "--model-version", "v2",
-                                    "--heartbeat-interval", "0.1"))
+                                    "--heartbeat-interval", "0.1", "--echo"))
         wait_for(lambda: versions(gateway) == {"v1": 1, "v2": 1})
         keys = sorted(k.decode() for k in redis.Redis.from_url(db).keys("inferd:worker:*"))
         assert keys == ["inferd:worker:reg-a", "inferd:worker:reg-b"]
@@ -81,51 +82,40 @@ def test_malformed_registrations_are_skipped_and_logged(redis_url, caplog):
         assert KEY_PREFIX + name in logged, name
 
 
-def test_a_worker_of_another_model_is_not_attached(cluster, redis_url, tiny_llama_dir, tmp_path):
-    """A gateway serves one model: a worker announcing another (given with --worker, or registered) is not attached,
-    and said so in the log; the gateway serves through the worker of its own model."""
-    db = redis_url.rsplit("/", 1)[0] + "/8"
-    redis.Redis.from_url(db).flushdb()
-    other = tmp_path / "other-model"  # the same files under another name: only the announced name differs
-    other.symlink_to(tiny_llama_dir, target_is_directory=True)
-    ours = start_worker(tmp_path, tiny_llama_dir, "ours", "--echo")
-    workers = [ours, start_worker(tmp_path, other, "given", "--echo"),
-               start_worker(tmp_path, other, "registered", "--echo", "--register", db)]
-    try:
-        gateway = cluster("--worker", ours.address, "--worker", workers[1].address, "--redis", db, command="gateway",
-                          name="model-gateway")
-        wait_for(lambda: f"not attaching the worker at {workers[1].address}: it serves the model 'other-model'"
-                 in gateway.log())
-        wait_for(lambda: "not connecting to the registered worker registered" in gateway.log())
-        assert versions(gateway) == {"v1": 1}
-        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
-                       timeout=60)
-        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "ours"
-        assert "authenticated" not in workers[2].log_path.read_text()  # never even connected to
-    finally:
-        for w in workers:
-            kill_group(w.proc)
-
-
-def test_embedding_workers_register_and_a_killed_one_loses_no_input(cluster, redis_url, tiny_llama_dir, tmp_path):
-    """`inferd gateway --redis --embedding-model M` finds M's embedding workers (`worker --task embed --register`)
-    beside the chat workers; SIGKILL of one of them while inputs wait in it: every request still answers 200, with
-    the vectors of a calm run (its inputs run again on the other worker)."""
+def test_workers_are_attached_by_model_and_task_and_a_killed_embedder_loses_no_input(cluster, redis_url,
+                                                                                     tiny_llama_dir, tmp_path):
+    """`inferd gateway --redis --embedding-model M` serves its chat model through the chat workers and M through M's
+    embedding workers (`worker --task embed --register`); a worker announcing another model (given with --worker,
+    or registered) is not attached, and said so in the log. SIGKILL of an embedding worker while inputs wait in it:
+    every request still answers 200, with the vectors of a calm run (its inputs run again on the other worker)."""
     db = redis_url.rsplit("/", 1)[0] + "/6"
     redis.Redis.from_url(db).flushdb()
     embedder = tmp_path / "tiny-embedder"  # the decoder, under a name of its own (workers are told apart by name)
     embedder.symlink_to(tiny_llama_dir, target_is_directory=True)
+    other = tmp_path / "other-model"  # the same files under another name: only the announced name differs
+    other.symlink_to(tiny_llama_dir, target_is_directory=True)
     # inputs wait 1.5 s in a worker for others to join: the window in which one is killed
     slow = ("--task", "embed", "--register", db, "--embed-max-wait-ms", "1500")
-    with ThreadPoolExecutor(3) as pool:  # started side by side
-        starting = [pool.submit(start_worker, tmp_path, tiny_llama_dir, "reg-chat", "--register", db),
+    with ThreadPoolExecutor(5) as pool:  # started side by side
+        starting = [pool.submit(start_worker, tmp_path, tiny_llama_dir, "reg-chat", "--register", db, "--echo"),
                     pool.submit(start_worker, tmp_path, embedder, "emb-a", *slow),
-                    pool.submit(start_worker, tmp_path, embedder, "emb-b", *slow)]
+                    pool.submit(start_worker, tmp_path, embedder, "emb-b", *slow),
+                    pool.submit(start_worker, tmp_path, other, "given", "--echo"),
+                    pool.submit(start_worker, tmp_path, other, "registered", "--echo", "--register", db)]
     workers = [f.result() for f in starting if f.exception() is None]
     try:
-        assert len(workers) == 3, [f.exception() for f in starting]
-        gateway = cluster("--redis", db, "--embedding-model", str(embedder), "--admin-key", "adm",
-                          command="gateway", name="embed-gateway")
+        assert len(workers) == 5, [f.exception() for f in starting]
+        gateway = cluster("--redis", db, "--worker", workers[3].address, "--embedding-model", str(embedder),
+                          "--admin-key", "adm", command="gateway", name="embed-gateway")
+        wait_for(lambda: f"not attaching the worker at {workers[3].address}: it serves the model 'other-model'"
+                 in gateway.log())
+        wait_for(lambda: "not connecting to the registered worker registered" in gateway.log())
+        assert "registered worker emb-" not in gateway.log()  # the embedding model's: served, not other
+        assert versions(gateway) == {"v1": 1}
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "reg-chat"
+        assert "authenticated" not in workers[4].log_path.read_text()  # never even connected to
         admin = {"Authorization": "Bearer adm"}
 
         def embedding_workers() -> dict:
