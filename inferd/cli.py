@@ -259,6 +259,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def embedding_models(args: argparse.Namespace, model_path: str, local_args: list[str] | None) -> list:
     """--embedding-model (repeatable) -> EmbeddingModelSpec's; local_args: the options of their local workers
     (serve), None: remote workers (gateway). ValueError: a model that is not there, or two models of one name."""
+    if not args.embedding_model:
+        return []  # and torch stays out of the API process (engine.embedding imports it)
     from .api.server import EmbeddingModelSpec, default_served_name
     from .engine.embedding import embedding_model_name, resolve_embedding_model
 

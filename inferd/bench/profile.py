@@ -18,8 +18,6 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 DEFAULT_CONTEXTS = (128, 1024)
 DEFAULT_PREFILL = (64, 256, 1024)
 
@@ -98,6 +96,8 @@ def _finish(engine) -> None:
 
 
 def run_profile(args) -> dict:
+    import torch  # here: `inferd` builds this command's parser for every command (the API process needs no torch)
+
     from ..config import EngineConfig
     from ..engine import Engine
     from ..telemetry.roofline import peaks as device_peaks

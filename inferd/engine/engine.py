@@ -22,6 +22,7 @@ from .request import FinishReason, InvalidRequestError, Request, SamplingParams,
 from .cuda_graph import DecodeGraphs, wants_decode_graphs
 from .memory import resolve_kv_cache_bytes
 from .runner import ModelRunner, kv_bytes_per_block
+from .outputs import RequestOutput
 from .sampler import PenaltyState, Sampler, TokenLogprob, apply_penalties_batch
 from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
@@ -33,22 +34,6 @@ GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a grammar being compil
 
 if TYPE_CHECKING:
     from .tensor_parallel import TensorParallelGroup
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str = ""  # only when the engine has a tokenizer
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    embedding: list[float] | None = None  # an embedding request's vector (inferd/engine/embedding.py)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .outputs import TokenLogprob  # noqa: F401 (its home before outputs.py)
 from .request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -187,13 +188,6 @@ def apply_penalties_batch(logits: torch.Tensor, rows: list[int], states: list[Pe
     pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
     x = x - (freq * counts + pres * (counts > 0).to(x.dtype))
     logits.index_copy_(0, index, x)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token id, logprob), most likely first
 
 
 class Sampler:

@@ -23,8 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
-import torch
-
 from ..config import GRAMMAR_CACHE_BYTES, MAX_STRUCTURED_CHARS
 from .request import InvalidRequestError
 
@@ -164,6 +162,8 @@ class Constraint:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, ceil(vocab / 32)] int32, every token allowed."""
+    import torch  # here (and below): the API process checks constraints with this module, without torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
@@ -171,6 +171,8 @@ def _fused_apply():
     """torch.ops.inferd.apply_token_bitmask when the fused CPU kernels load (inferd/kernels/cpu_ops.cpp), else None."""
     global _FUSED
     if _FUSED is None:
+        import torch
+
         from ..kernels import build
 
         _FUSED = torch.ops.inferd.apply_token_bitmask if build.load() else False
@@ -186,6 +188,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     vocabulary, against 1.2-5 ms for xgrammar's CPU loop); elsewhere xgrammar's kernel (Triton on CUDA)."""
     if not rows:
         return
+    import torch
+
     fused = _fused_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if fused is not None and logits.stride(1) == 1:
         fused(logits, bitmask, torch.tensor(rows, dtype=torch.long))

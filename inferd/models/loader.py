@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from .config import ModelConfig
 
@@ -210,11 +209,14 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_state_dict(
-    path: str | os.PathLike[str], config: ModelConfig, dtype: torch.dtype = torch.float32,
+    path: str | os.PathLike[str], config: ModelConfig, dtype: torch.dtype | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load the weights of `path` (HF folder with safetensors, or .gguf) as a HF-named state dict in `dtype`.
-    progress(done, total) is called after each tensor (for a progress bar)."""
+    progress(done, total) is called after each tensor (for a progress bar). dtype None: float32."""
+    import torch  # here, not at the top: the API process reads configs and GGUF metadata from this module
+
+    dtype = torch.float32 if dtype is None else dtype
     path = os.fspath(path)
     expected = expected_weight_shapes(config)
     if os.path.isdir(path):
@@ -299,6 +301,7 @@ def _load_gguf(
     path: str, config: ModelConfig, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
+    import torch
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 

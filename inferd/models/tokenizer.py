@@ -24,7 +24,6 @@ from .chat_template import SEGMENTS_CACHE_SIZE as _SEGMENTS_CACHE_SIZE
 from .chat_template import TEMPLATE_TEXT_MAX_CHARS as _TEMPLATE_TEXT_MAX_CHARS
 from .chat_template import conversation_shape as _conversation_shape
 from .chat_template import template_traits as _template_traits
-from .loader import generation_config_eos_ids, read_gguf_metadata
 
 __all__ = [
     "IncrementalDetokenizer", "TextWithStops", "Tokenizer", "cache_dir", "gguf_tokenizer_cache_path", "load_tokenizer",
@@ -99,6 +98,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> "Tokenizer":
             with open(config_file, encoding="utf-8") as f:
                 eos = json.load(f).get("eos_token_id")
             config_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        from .loader import generation_config_eos_ids  # here: the loader imports torch, the API process need not
+
         return Tokenizer(hf, eos_token_ids=generation_config_eos_ids(path) + config_eos, name_or_path=path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
@@ -118,6 +119,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> "Tokenizer":
             damaged = True
 
     hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from .loader import read_gguf_metadata  # here: the loader imports torch, the API process need not
+
     fields = read_gguf_metadata(path).fields
     gguf_eos = _dedup(fields.get(key) for key in _GGUF_EOS_KEYS)
     _write_cache(cached, hf, {"eos_token_ids": gguf_eos, "source": path}, replace=damaged)

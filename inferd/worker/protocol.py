@@ -37,9 +37,8 @@ from typing import Any
 # the limits live with every other limit, in inferd/config.py
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
 from ..config import MAX_HELLO_STRING
-from ..engine.engine import RequestOutput
+from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import InvalidRequestError, SamplingParams
-from ..engine.sampler import TokenLogprob
 
 PROTOCOL_VERSION = 3  # 2: hello.version, stats.draining, rejected/error "retry"; 3: the challenge-response handshake
 
