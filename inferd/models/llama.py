@@ -165,7 +165,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         h, v = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Embedding(v, h)
+        # _weight: no random init (on the meta device, normal_ goes through torch._refs and imports torch._dynamo,
+        # 1.2 s of every worker start); the checkpoint fills it
+        self.embed_tokens = nn.Embedding(v, h, _weight=torch.empty(v, h))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         # a tied head still gets its own Linear: on CPU it is repacked, and the embedding keeps its plain rows
