@@ -296,22 +296,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         print("error: give the workers: --worker HOST:PORT (repeatable) or --redis URL (registered workers)",
               file=sys.stderr)
         return 2
-    try:
-        for address in args.worker:
-            parse_address(address)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if args.embedding_worker and len(args.embedding_model) != 1:
+        print("error: --embedding-worker needs exactly one --embedding-model (the one its workers serve)",
+              file=sys.stderr)
         return 2
     model_path = os.path.abspath(args.model) if args.model else default_model_path()
     if not os.path.exists(model_path):
         print(f"error: model path {model_path} does not exist", file=sys.stderr)
         return 2
-    if args.embedding_worker and len(args.embedding_model) != 1:
-        print("error: --embedding-worker needs exactly one --embedding-model (the one its workers serve)",
-              file=sys.stderr)
-        return 2
     try:
-        for address in args.embedding_worker:
+        for address in args.worker + args.embedding_worker:
             parse_address(address)
         embedding = embedding_models(args, model_path, None)
     except ValueError as e:
