@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 INSTALL := $(PIP) install
 
-.PHONY: setup serve chat test bench clean redis-server
+.PHONY: setup serve chat test bench clean redis-server chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,11 @@ chat: setup
 redis-server:
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
-test: setup redis-server
+# the dashboard's test (tests/api/test_dashboard.py) loads the page in a real headless browser: Debian's chromium
+chromium:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+
+test: setup redis-server chromium
 	$(BIN)/python -m pytest -q --durations=15
 
 bench: setup

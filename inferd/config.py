@@ -104,6 +104,13 @@ DEFAULT_SSE_WRITE_TIMEOUT_S = 30.0
 # tokenizing happens off the event loop for prompts of more characters than this (shorter ones take microseconds)
 TOKENIZE_INLINE_MAX_CHARS = 2048
 TOKENIZE_THREADS = 2  # threads that tokenize long prompts (off the event loop)
+# the live dashboard (/dashboard, inferd/api/dashboard.py): the API process samples its own metrics this often and
+# keeps this much history; the page shows percentiles and rates over a window it picks (DASHBOARD_WINDOWS_S)
+DASHBOARD_SAMPLE_S = 2.0
+DASHBOARD_WINDOWS_S = (60.0, 300.0, 900.0)
+DEFAULT_DASHBOARD_WINDOW_S = 300.0
+DASHBOARD_RATE_S = 10.0  # tokens/s and the like: over the last this many seconds
+DASHBOARD_TREND_S = 30.0  # each point of the latency-over-time chart: percentiles over the trailing this many seconds
 # uvicorn's limits (the API process)
 DEFAULT_LIMIT_CONCURRENCY = 4096  # `--limit-concurrency`: open connections + requests; past it new ones get 503
 MAX_REQUEST_HEADER_BYTES = 64 << 10  # a request's line and headers together (h11; httptools' own bound is 80 KiB)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,8 +21,8 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..config import (DEFAULT_SSE_KEEPALIVE_S, DEFAULT_SSE_WRITE_TIMEOUT_S, MAX_QUEUE_TIMEOUT_BY_TIER_S,
-                      MAX_QUEUE_TIMEOUT_S, TIERS)
+from ..config import (DASHBOARD_WINDOWS_S, DEFAULT_DASHBOARD_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S,
+                      DEFAULT_SSE_WRITE_TIMEOUT_S, MAX_QUEUE_TIMEOUT_BY_TIER_S, MAX_QUEUE_TIMEOUT_S, TIERS)
 from ..gateway.admission import Gateway, RateLimited
 from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import Router
@@ -62,6 +64,7 @@ class ServerState:
     draining: bool = False  # shutting down: /ready says so, new requests get 503
     rollout: object | None = None  # the RolloutController (local workers only)
     autoscaler: object | None = None  # the Autoscaler, where one runs
+    dashboard: object | None = None  # the /dashboard's history of samples (api/dashboard.py); build_app makes it
     # the EmbeddingService of each --embedding-model (api/embeddings.py), by served name, in the order given
     embeddings: dict = field(default_factory=dict)
     batches: object | None = None  # the Batch API's BatchStore (api/batches.py); None: /v1/files and /v1/batches 404
@@ -206,6 +209,28 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    from .dashboard import Dashboard, page_html
+
+    if state.dashboard is None:
+        state.dashboard = Dashboard(state)
+        state.dashboard.sample()  # before any request: the growth of a histogram since then is all of it
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        # the page reads only this server (connect-src 'self') and loads nothing from anywhere
+        return Response(page_html(), media_type="text/html; charset=utf-8", headers={
+            "Cache-Control": "no-store",
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"})
+
+    @app.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_data(window: float = DEFAULT_DASHBOARD_WINDOW_S) -> Response:
+        if not 0 < window <= max(DASHBOARD_WINDOWS_S):
+            raise invalid(f"window must be in (0, {max(DASHBOARD_WINDOWS_S):g}] seconds, got {window:g}",
+                          param="window")
+        return Response(json.dumps(_finite(state.dashboard.view(window)), separators=(",", ":")),
+                        media_type="application/json", headers={"Cache-Control": "no-store"})
+
     @app.get("/admin/workers", include_in_schema=False)
     async def admin_workers() -> dict:
         return {"workers": [_worker_card(w) for w in state.router.workers],
@@ -255,6 +280,17 @@ async def _rollout_call(coro) -> dict:
     except RolloutError as e:
         raise APIError(e.status, str(e), INVALID_REQUEST, code="rollout_conflict" if e.status == 409 else None) \
             from None
+
+
+def _finite(value):
+    """JSON has no NaN or infinity: such a number becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _worker_card(w) -> dict:
@@ -577,7 +613,7 @@ def _install_openapi(app: FastAPI) -> None:
 
 
 # ---- the middleware ----------------------------------------------------------------------------------------------
-_PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect")
+_PUBLIC_PATHS = ("/health", "/ready", "/metrics", "/dashboard", "/dashboard/data", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 _KNOWN_ROUTES = ("/admin/workers", "/admin/rollout", "/admin/rollout/start", "/admin/rollout/promote",
                  "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                  "/v1/embeddings",
@@ -624,9 +660,9 @@ class Gatekeeper:
     def _check_key(self, scope, path: str) -> APIError | None:
         """Resolves the request's key to its tenant (scope[TENANT]); a 401 when the key is missing or refused."""
         state = self.state
-        if path == "/metrics" and state.metrics_key is not None:
+        if path in ("/metrics", "/dashboard/data") and state.metrics_key is not None:
             if not _bearer_matches(scope, state.metrics_key):
-                return _unauthorized("/metrics needs the metrics key: 'Authorization: Bearer METRICS_KEY'")
+                return _unauthorized(f"{path} needs the metrics key: 'Authorization: Bearer METRICS_KEY'")
             return None
         if path.startswith("/admin/"):
             return self._check_admin_key(scope)

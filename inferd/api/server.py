@@ -142,7 +142,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     # without an autoscaler, the workers there are are the workers wanted (an HPA reading 0 would scale to nothing)
     metrics.desired_workers.set_function(lambda: state.autoscaler.desired if state.autoscaler is not None
                                          else sum(1 for w in router.workers if w.dead is None))
-    app = build_app(state)
+    metrics.watch_tenants(lambda: state.keys.tenants if state.keys is not None else {})
+    app = build_app(state)  # takes the dashboard's first sample
+    sampling = asyncio.create_task(state.dashboard.run())
     if opts.keys_path:
         watching = asyncio.create_task(_watch_keys(state, opts.keys_path))
     else:  # SIGHUP's default action would kill the server: there is nothing to reload, say so
@@ -176,6 +178,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         server.should_exit = True
+        sampling.cancel()
         await serving
         await backend.stop(0.0)
         await _stop_all(embeds)
@@ -184,6 +187,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         error = starting.exception()
         print(f"error: the server could not start: {error}", file=sys.stderr)
         server.should_exit = True
+        sampling.cancel()
         await serving
         await backend.stop(0.0)
         await _stop_all(embeds)
@@ -206,6 +210,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         await _drain(state, backend, opts.shutdown_grace)
         server.should_exit = True
         await serving
+    sampling.cancel()
     if watching is not None:
         watching.cancel()
     if state.batch_runner is not None:

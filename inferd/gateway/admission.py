@@ -678,6 +678,7 @@ class Gateway:
             return
         for band, tier in enumerate(TIERS):
             m.queue_requests.labels(tier).set(self.line.num_by_band[band])
+            m.queue_tier_tokens.labels(tier).set(self.line.tokens_by_band[band])
         m.queue_tokens.set(self.line.num_tokens)
         line = self.line
         self.high_water = (max(self.high_water[0], line.num_requests), max(self.high_water[1], line.num_tokens))

@@ -55,6 +55,7 @@ class WaitingLine:
         self.num_tokens = 0  # reserved tokens of the waiters
         self.expected_tokens = [0.0] * len(TIERS)  # per band
         self.num_by_band = [0] * len(TIERS)
+        self.tokens_by_band = [0] * len(TIERS)  # reserved tokens of the waiters, per band
         self._by_tenant: dict[str, list[int]] = {}  # tenant -> [waiters, their reserved tokens], all bands
         self._seq = 0
 
@@ -137,6 +138,7 @@ class WaitingLine:
         self.num_requests += sign
         self.num_tokens += sign * w.reserved_tokens
         self.num_by_band[w.band] += sign
+        self.tokens_by_band[w.band] += sign * w.reserved_tokens
         held = self._by_tenant.setdefault(w.tenant, [0, 0])
         held[0] += sign
         held[1] += sign * w.reserved_tokens

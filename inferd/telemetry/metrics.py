@@ -63,6 +63,8 @@ class Metrics:
         self.queue_requests = Gauge("inferd_queue_requests", "Requests waiting in the gateway's line", ["tier"],
                                     registry=r)
         self.queue_tokens = Gauge("inferd_queue_tokens", "Reserved tokens of the requests in the line", registry=r)
+        self.queue_tier_tokens = Gauge("inferd_queue_tier_tokens", "Reserved tokens of the requests in the line, by "
+                                       "tier", ["tier"], registry=r)
         self.queue_requests_max = Gauge("inferd_queue_requests_high_water", "Most requests ever in the line at once",
                                         registry=r)
         self.queue_tokens_max = Gauge("inferd_queue_tokens_high_water", "Most reserved tokens ever in the line",
@@ -101,6 +103,14 @@ class Metrics:
         self.sse_write_timeouts = Counter("inferd_sse_write_timeouts", "Streams closed because their client read "
                                           "nothing for --sse-write-timeout", registry=r)
         self._gateway = None
+        self._tenants = None
+
+    def watch_tenants(self, tenants: Callable[[], dict]) -> None:
+        """Exports each tenant's quota (tenants(): name -> Tenant, read at scrape time, so a reloaded keys file
+        shows at once)."""
+        if self._tenants is None:
+            self.registry.register(_TenantCollector(lambda: self._tenants()))
+        self._tenants = tenants
 
     def watch_gateway(self, gateway) -> None:
         """Exports what the gateway's admitted requests hold (read at scrape time): the room and leases that must all
@@ -202,6 +212,45 @@ class _GatewayCollector:
             yield leases
 
 
+class _TenantCollector:
+    """Each tenant's limits from the keys file: what its usage (inferd_tenant_tokens, inferd_tenant_open_requests)
+    is measured against. A limit the tenant does not have is not exported."""
+
+    LIMITS = (("rpm", "requests per rate window"), ("tpm", "tokens per rate window"),
+              ("max_concurrency", "concurrent requests"))
+
+    def __init__(self, tenants: Callable[[], dict]):
+        self.tenants = tenants
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily("inferd_tenant_quota", "A tenant's limit (rpm, tpm: per --rate-window; "
+                                   "max_concurrency: requests at once)", labels=["tenant", "limit"])
+        tier = GaugeMetricFamily("inferd_tenant_tier", "1 for a tenant's priority tier", labels=["tenant", "tier"])
+        for name, tenant in sorted(self.tenants().items()):
+            tier.add_metric([name, tenant.tier], 1)
+            for limit, _ in self.LIMITS:
+                value = getattr(tenant, limit)
+                if value is not None:
+                    family.add_metric([name, limit], value)
+        yield family
+        yield tier
+
+
+WORKER_STATES = ("serving", "draining", "unresponsive", "dead")
+
+
+def worker_state(w) -> str:
+    """One word for a worker client: dead (lost), unresponsive (silent past the timeout), draining, or serving."""
+    if w.dead is not None:
+        return "dead"
+    if w.unresponsive:
+        return "unresponsive"
+    return "draining" if w.draining else "serving"
+
+
 class _WorkerCollector:
     """One series per attached worker: whether it takes work, its engine state, what the client dropped."""
 
@@ -225,6 +274,10 @@ class _WorkerCollector:
                                    "prefix cache", labels=["worker"])
         queries = CounterMetricFamily("inferd_worker_prefix_cache_query_tokens", "Prompt tokens looked up in the "
                                       "worker's prefix cache", labels=["worker"])
+        state = GaugeMetricFamily("inferd_worker_state", "1 for the worker's state (serving, draining, unresponsive, "
+                                  "dead)", labels=["worker", "version", "state"])
+        step_tokens = GaugeMetricFamily("inferd_worker_step_tokens", "Tokens the worker's batch ran in its latest "
+                                        "step (decode rows + prefill chunks; 0 when idle)", labels=["worker"])
         stale = CounterMetricFamily("inferd_worker_stale_outputs", "Outputs dropped because their dispatch was given "
                                     "up (an old epoch) or their stream had ended", labels=["worker"])
         for w in self.workers():
@@ -232,15 +285,19 @@ class _WorkerCollector:
                 continue
             name = w.hello.worker_id
             up.add_metric([name, w.hello.version], 1 if w.usable else 0)
+            state.add_metric([name, w.hello.version, worker_state(w)], 1)
             in_flight.add_metric([name], w.num_streams)
             stale.add_metric([name], w.num_stale_outputs)
             s = w.latest_stats
             if s is not None:
                 running.add_metric([name], s.running)
+                step_tokens.add_metric([name], s.step_tokens)
                 kv.add_metric([name], s.kv_blocks_in_use / s.kv_num_blocks if s.kv_num_blocks else 0.0)
                 hits.add_metric([name], s.prefix_cache_hits)
                 queries.add_metric([name], s.prefix_cache_queries)
-        yield from (up, running, in_flight, kv, hits, queries, stale)
+        yield from (up, state, running, step_tokens, in_flight, kv, hits, queries, stale)
+        yield GaugeMetricFamily("inferd_workers_attached", "Workers attached and not lost (serving, draining or "
+                                "unresponsive)", value=sum(1 for w in self.workers() if w.dead is None))
         chosen, asked = self.affinity()
         yield CounterMetricFamily("inferd_router_prefix_affinity_hits", "Dispatches sent to a worker because it was "
                                   "sent the prompt's prefix before", value=chosen)

@@ -267,8 +267,11 @@ class EngineLoop:
     def _snapshot(self) -> WorkerStats:
         kv, scheduler = self.engine.kv_cache, self.engine.scheduler
         free = kv.num_free_blocks
+        _, prefill, decode, *_ = getattr(self.engine.stats, "last", (0, 0, 0))
+        busy = self.engine.has_unfinished_requests()
         return WorkerStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
                            kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
                            prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
                            num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps,
-                           step_seconds_total=self._step_seconds_total, draining=self.draining)
+                           step_seconds_total=self._step_seconds_total, draining=self.draining,
+                           step_tokens=prefill + decode if busy else 0)

@@ -283,6 +283,8 @@ class WorkerStats:
     num_preemptions: int = 0
     num_steps: int = 0
     step_seconds_total: float = 0.0  # engine steps' wall time, summed
+    # tokens the engine's batch ran in its latest step (decode rows + prefill chunks); 0 when it has nothing to run
+    step_tokens: int = 0
     # how long the step in progress has run when the heartbeat left: heartbeats prove the process is alive, this
     # lets a client notice an engine stuck inside one step
     step_in_progress_s: float = 0.0
