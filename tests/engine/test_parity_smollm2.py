@@ -1,6 +1,7 @@
 """Greedy parity with transformers on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, fp32): staggered
 arrivals, a pool so small that preemption happens, a step budget below the prompt lengths, shared prefixes.
-The transformers reference (18 s to load the GGUF, ~50 ms a token) is cached on disk keyed by model and prompt."""
+The transformers reference (18 s to load the GGUF, ~50 ms a token) is committed, compact (tests/data/hf-reference:
+tokens and the 64 largest logits of each position), keyed by model, versions and prompt; a missing one is computed."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def smol(request, smollm2_fp32, smollm2_gguf_path):
         return request.getfixturevalue("hf_smollm2_fp32")
 
     key = f"smollm2-gguf:{os.path.getsize(smollm2_gguf_path)}:fp32"
-    refs = [hf_greedy(get_hf, p, n, cache_key=key) for p, n in zip(prompts, MAX_NEW)]
+    refs = [hf_greedy(get_hf, p, n, cache_key=key, committed=True) for p, n in zip(prompts, MAX_NEW)]
     return model, cfg, tok, prompts, refs
 
 
