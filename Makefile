@@ -39,7 +39,7 @@ redis-server:
 
 # the dashboard's test (tests/api/test_dashboard.py) loads the page in a real headless browser: Debian's chromium
 chromium:
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core)
 
 test: setup redis-server chromium
 	$(BIN)/python -m pytest -q --durations=15

@@ -237,6 +237,14 @@ def test_dashboard_in_a_real_browser_under_load(dash_server, tmp_path):
             for outcome in ("admitted", "rate_limited_too_large", "overloaded"):
                 assert after[f'inferd_gateway_admissions_total{{outcome="{outcome}"}}'] > 0
                 assert f'inferd_gateway_admissions_total{{outcome="{outcome}"}}' in keyed
+            # the answers clients got, in the window (the server's whole life): 429s and 503s counted by outcome
+            outcome = {k[len('inferd_gateway_admissions_total{outcome="'):-2]: v for k, v in after.items()
+                       if k.startswith("inferd_gateway_admissions_total{")}
+            got = {code: float(derived[f"admissions_in_window.status_{code}"][0]) for code in ("200", "429", "503")}
+            assert got == {"200": outcome["admitted"],
+                           "429": sum(v for k, v in outcome.items() if k.startswith("rate_limited_") or
+                                      k == "queue_share"),
+                           "503": sum(outcome.get(k, 0.0) for k in ("overloaded", "shed", "queue_timeout"))}, got
             # each tenant's quota is the keys file's, and its usage is there beside it
             assert float(keyed['inferd_tenant_quota{limit="tpm",tenant="stingy"}'][0]) == 40
             assert float(keyed['inferd_tenant_quota{limit="max_concurrency",tenant="alice"}'][0]) == 8
