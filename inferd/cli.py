@@ -709,6 +709,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planner.report import cmd_plan as run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.loadgen import cmd_bench as run
 
@@ -837,6 +843,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_profile_arguments(pr)
     pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="capacity planner: workers needed per hour for a day of traffic, SLO "
+                        "attainment and cost of a fixed fleet, the autoscaler and the hourly minimum (simulated)")
+    from .planner.report import add_plan_arguments
+
+    add_plan_arguments(pl)
+    pl.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
     from .bench.loadgen import add_bench_arguments

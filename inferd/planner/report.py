@@ -1,0 +1,265 @@
+"""`inferd plan`'s command line, table and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+from ..config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS,
+                      DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_TARGET_UTILIZATION, DEFAULT_WARM_LEAD_S,
+                      DEFAULT_WORKER_QUEUE_DEPTH)
+from .plan import (HOUR, FleetRun, _fmt_s, by_hour, figures, hourly_need, parse_slo, read_traffic, run_autoscaler,
+                   run_fixed, run_hourly_minimum, worker_capacity)
+from .sim import Req, StepModel, WorkerConfig
+
+DEFAULT_WORKER_START_S = 30.0  # a GPU worker loading its model; `inferd serve` on the CPU default model: ~5 s
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traffic", required=True, metavar="DAY.csv", help="per-hour rates (hour,requests_per_s,"
+                   "prompt_tokens,output_tokens) or a trace (t,prompt_tokens,output_tokens; t in s since midnight)")
+    p.add_argument("--slo", required=True, metavar="TARGETS", help='e.g. "ttft_p99=2s,tpot_p50=50ms" (metrics: '
+                   "ttft, tpot, e2e); an hour meets the SLO when its requests meet every target")
+    p.add_argument("--profile", required=True, metavar="PROFILE.json", help="`inferd profile`'s measured step times")
+    p.add_argument("--cost-per-worker-hour", type=float, default=1.0, metavar="PRICE")
+    p.add_argument("--workers", type=int, default=None, help="the fixed fleet (default: the largest hourly need)")
+    p.add_argument("--arrivals", choices=["poisson", "uniform"], default="poisson",
+                   help="arrivals within an hour of a per-hour CSV (default poisson)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="plan", metavar="DIR", help="plan.md, plan.json and the PNG plots go here")
+    w = p.add_argument_group("one worker (the engine's and gateway's settings of the same names)")
+    w.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    w.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    w.add_argument("--worker-queue-depth", type=int, default=DEFAULT_WORKER_QUEUE_DEPTH)
+    w.add_argument("--kv-tokens", type=int, default=WorkerConfig.kv_tokens,
+                   help="tokens the KV cache holds (default: the default model's pool, 2912 blocks of 16)")
+    a = p.add_argument_group("the autoscaler (inferd serve's flags of the same names)")
+    a.add_argument("--worker-capacity", type=float, default=None, metavar="TOKENS_PER_S",
+                   help="default: what the simulator finds one worker sustains within the SLO at the day's mean "
+                   "lengths (printed: use it for inferd serve --worker-capacity)")
+    a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
+    a.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS)
+    a.add_argument("--scale-down-cooldown", type=float, default=DEFAULT_SCALE_DOWN_COOLDOWN_S)
+    a.add_argument("--target-utilization", type=float, default=DEFAULT_TARGET_UTILIZATION)
+    a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...")
+    a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S)
+    a.add_argument("--worker-start", type=float, default=DEFAULT_WORKER_START_S, metavar="SECONDS",
+                   help=f"a new worker serves this long after it is started (default {DEFAULT_WORKER_START_S:g})")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ..cluster.autoscaler import AutoscalerConfig
+
+    try:
+        targets = parse_slo(args.slo)
+        traffic = read_traffic(args.traffic)
+        model = StepModel.load(args.profile)
+        if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1 or args.kv_tokens < 1:
+            raise ValueError("--max-num-seqs, --max-num-batched-tokens and --kv-tokens must be >= 1")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config = WorkerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.worker_queue_depth, args.kv_tokens)
+    uniform = args.arrivals == "uniform"
+    day_reqs = traffic.requests(args.seed, uniform)
+    if not day_reqs:
+        print("error: the traffic has no requests", file=sys.stderr)
+        return 2
+    mean_prompt = round(sum(r.prompt for r in day_reqs) / len(day_reqs))
+    mean_output = round(sum(r.output for r in day_reqs) / len(day_reqs))
+    capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output, args.seed)
+    try:
+        scaler = AutoscalerConfig(worker_capacity=capacity, min_workers=args.min_workers,
+                                  max_workers=args.max_workers, target_utilization=args.target_utilization,
+                                  scale_down_cooldown_s=args.scale_down_cooldown, warm_schedule=args.warm_schedule,
+                                  warm_lead_s=args.warm_lead)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = plan(model, config, traffic, targets, args.seed, uniform, scaler, args.worker_start, args.workers)
+    result["worker_capacity"] = capacity
+    result["cost_per_worker_hour"] = args.cost_per_worker_hour
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(result, args)
+    (out / "plan.md").write_text(text)
+    (out / "plan.json").write_text(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1,
+                                              default=str))
+    plot(result, out)
+    print(text)
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'load_and_workers.png'}, {out / 'latency.png'}")
+    return 0
+
+
+def plan(model, config, traffic, targets, seed, uniform, scaler, worker_start, workers=None) -> dict:
+    need = hourly_need(model, config, traffic, targets, seed, uniform, scaler.max_workers)
+    fixed_n = workers or max([n if n is not None else scaler.max_workers for n in need] + [1])
+    day = datetime(2026, 1, 1)
+
+    def fresh() -> list[Req]:
+        return traffic.requests(seed, uniform)
+
+    runs = [run_fixed(model, config, fresh(), fixed_n),
+            run_autoscaler(model, config, fresh(), scaler, worker_start, day)]
+    if scaler.warm_schedule:
+        runs.append(run_autoscaler(model, config, fresh(), replace(scaler, warm_schedule=[]), worker_start, day,
+                                   name="autoscaler, no warm schedule"))
+    runs.append(run_hourly_minimum(model, config, fresh(), need, scaler.min_workers, scaler.max_workers))
+    hourly = traffic.hourly()
+    return {"targets": [str(t) for t in targets], "hourly": hourly, "need": need, "fixed_workers": fixed_n,
+            "summary": [summary(r, targets) for r in runs], "per_hour": {r.name: per_hour(r, targets) for r in runs},
+            "ramp": ramp(hourly, runs, targets), "runs": runs}
+
+
+def summary(run: FleetRun, targets) -> dict:
+    hours = [figures(h, targets) for h in by_hour(run.requests) if h]
+    overall = figures(run.requests, targets)
+    return {"fleet": run.name, "worker_hours": run.worker_hours, "hours_meeting_slo": sum(h["met"] for h in hours),
+            "hours_with_traffic": len(hours), **{k: v for k, v in overall.items() if k.startswith("within_")},
+            **{k: v for k, v in overall.items() if k not in ("requests", "met") and not k.startswith("within_")}}
+
+
+def per_hour(run: FleetRun, targets) -> list[dict]:
+    out = []
+    for h, reqs in enumerate(by_hour(run.requests)):
+        f = figures(reqs, targets)
+        out.append({"hour": h, "workers": mean_workers(run.fleet_log, h * HOUR, (h + 1) * HOUR), **f})
+    return out
+
+
+def mean_workers(log: list[tuple[float, int]], start: float, end: float) -> float:
+    """The fleet's time-weighted mean size over [start, end): log holds (time, size from then on)."""
+    total = 0.0
+    for i, (t, n) in enumerate(log):
+        until = log[i + 1][0] if i + 1 < len(log) else float("inf")
+        total += n * max(0.0, min(until, end) - max(t, start))
+    return total / (end - start)
+
+
+def ramp(hourly, runs: list[FleetRun], targets) -> dict | None:
+    """The morning ramp: from the first hour whose token rate exceeds the day's mean back to the last quiet hour
+    before it, up to the busiest hour. Each fleet's figures over those hours."""
+    rates = [tok for _, _, tok in hourly]
+    if not any(rates):
+        return None
+    mean = sum(rates) / 24
+    peak = max(range(24), key=lambda h: rates[h])
+    first = next((h for h in range(24) if rates[h] > mean), peak)
+    start = max(0, first - 1)
+    hours = range(start, max(peak, first) + 1)
+    out = {"hours": [hours.start, hours.stop - 1]}
+    for r in runs:
+        reqs = [q for q in r.requests if int(q.t // HOUR) in hours]
+        out[r.name] = figures(reqs, targets)
+    return out
+
+
+def markdown(result: dict, args) -> str:
+    price = result["cost_per_worker_hour"]
+    lines = [f"# Capacity plan: {Path(args.traffic).name}", "",
+             f"SLO: {', '.join(result['targets'])} (an hour meets it when its requests meet every target). "
+             f"Worker model: {Path(args.profile).name}, max_num_seqs {args.max_num_seqs}, "
+             f"max_num_batched_tokens {args.max_num_batched_tokens}, KV {args.kv_tokens} tokens. "
+             f"Worker capacity for the autoscaler: {result['worker_capacity']:.0f} tokens/s "
+             f"({'given' if args.worker_capacity else 'found: what one worker sustains within the SLO'}).", "",
+             "## The fleets over the day", "",
+             "| fleet | worker-hours | cost | hours meeting the SLO | " +
+             " | ".join(f"within {t.split('=')[0].split('_')[0]} target" for t in result["targets"]) + " |",
+             "|---|---|---|---|" + "---|" * len(result["targets"])]
+    for s in result["summary"]:
+        within = [f"{100 * s.get('within_' + t.split('_')[0], 1.0):.1f}%" for t in result["targets"]]
+        lines.append(f"| {s['fleet']} | {s['worker_hours']:.1f} | {s['worker_hours'] * price:.2f} | "
+                     f"{s['hours_meeting_slo']}/{s['hours_with_traffic']} | " + " | ".join(within) + " |")
+    by_name = {s["fleet"]: s for s in result["summary"]}
+    fixed = result["summary"][0]
+    auto = by_name.get("autoscaler")
+    if auto is not None:
+        saved = fixed["worker_hours"] - auto["worker_hours"]
+        lines += ["", f"The autoscaler uses {saved:.1f} fewer worker-hours than the fixed fleet of "
+                  f"{result['fixed_workers']} ({saved * price:.2f} at {price:g} per worker-hour), "
+                  f"{100 * saved / fixed['worker_hours']:.0f}% less."]
+    r = result["ramp"]
+    if r is not None:
+        lines += ["", f"## The morning ramp (hours {r['hours'][0]:02d}-{r['hours'][1]:02d})", "",
+                  "| fleet | " + " | ".join(result["targets"]) + " | met |", "|---|" + "---|" * (len(result["targets"]) + 1)]
+        for name in [s["fleet"] for s in result["summary"]]:
+            f = r[name]
+            lines.append(f"| {name} | " + " | ".join(_fmt_s(f.get(t.split("=")[0])) for t in result["targets"]) +
+                         f" | {'yes' if f['met'] else 'no'} |")
+    lines += ["", "## Per hour", "",
+              "| hour | req/s | tokens/s | workers needed | " +
+              " | ".join(f"{name}: workers, {result['targets'][0].split('=')[0]}, met"
+                         for name in result["per_hour"]) + " |",
+              "|---|---|---|---|" + "---|" * len(result["per_hour"])]
+    first = result["targets"][0].split("=")[0]
+    for h, rps, tok in result["hourly"]:
+        need = result["need"][h]
+        cells = []
+        for name, rows in result["per_hour"].items():
+            row = rows[h]
+            cells.append(f"{row['workers']:.1f}, {_fmt_s(row.get(first))}, {'yes' if row['met'] else 'NO'}"
+                         if row["requests"] else f"{row['workers']:.1f}, -, -")
+        lines.append(f"| {h:02d} | {rps:.2f} | {tok:.0f} | {need if need is not None else '>max'} | " +
+                     " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: list[FleetRun] = result["runs"]
+    hours = [h for h, _, _ in result["hourly"]]
+    fig, (load, fleet) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    load.bar([h + 0.5 for h in hours], [tok for _, _, tok in result["hourly"]], width=0.9, color="#9db4e0")
+    load.set_ylabel("tokens/s offered")
+    load.set_title("Load and workers over the day")
+    for r in runs:
+        xs, ys = [], []
+        for t, n in r.fleet_log:
+            xs.append(t / HOUR)
+            ys.append(n)
+        xs.append(24.0)
+        ys.append(ys[-1])
+        fleet.step(xs, ys, where="post", label=r.name)
+    fleet.plot([h + 0.5 for h in hours], [n if n is not None else float("nan") for n in result["need"]], "k.",
+               label="needed (hour alone)")
+    fleet.set_ylabel("workers")
+    fleet.set_xlabel("hour of day")
+    fleet.set_xlim(0, 24)
+    fleet.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "load_and_workers.png", dpi=110)
+    plt.close(fig)
+
+    targets = result["targets"]
+    fig, axes = plt.subplots(len(targets), 1, figsize=(11, 3.2 * len(targets)), sharex=True, squeeze=False)
+    for ax, target in zip(axes[:, 0], targets):
+        name, limit = target.split("=")
+        metric, p = name.split("_p")
+        for r in runs:
+            bins = [[] for _ in range(96)]
+            for q in r.requests:
+                v = getattr(q, metric)
+                if v is not None:
+                    bins[min(95, int(q.t // 900))].append(v)
+            from .plan import percentile
+
+            ax.plot([i / 4 + 0.125 for i in range(96)], [percentile(b, float(p)) if b else float("nan") for b in bins],
+                    label=r.name)
+        ax.axhline(parse_slo(target)[0].seconds, color="k", ls="--", lw=0.8, label=f"SLO {limit}")
+        ax.set_ylabel(f"{name} (s), per 15 min")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("hour of day")
+    axes[-1, 0].set_xlim(0, 24)
+    fig.suptitle("Latency over the day")
+    fig.tight_layout()
+    fig.savefig(out / "latency.png", dpi=110)
+    plt.close(fig)

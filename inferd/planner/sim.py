@@ -1,0 +1,333 @@
+"""A discrete-event simulation of workers serving a stream of requests (`inferd plan`).
+
+Each worker runs our scheduler's policy, step by step: every running sequence that has its prompt decodes one token
+(decode first), the rest of the step's token budget (`max_num_batched_tokens`) goes to prompt chunks in admission
+order (chunked prefill), and waiting requests are admitted while there are fewer than `max_num_seqs` running and the
+KV cache holds their prompt. A sequence that finds the KV cache full when it grows is preempted (the newest first)
+and recomputed later, as the engine does. A step's duration comes from `StepModel`, which interpolates the step
+times `inferd profile` measured. The gateway keeps one waiting line; a worker takes from it while it holds fewer
+than `max_num_seqs + worker_queue_depth` requests, and a request goes to the least loaded worker (the router's
+choice without prefix affinity).
+
+Time only jumps: from one event (an arrival, a step's end, a worker ready, a fleet change, an autoscaler tick) to
+the next. A run of steps that only decode, with nothing to admit, is taken in one jump up to the next event, so a day
+of traffic takes seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WORKER_QUEUE_DEPTH
+
+
+class StepModel:
+    """Step time as a function of the decode batch, its mean context and the step's prefill tokens, from the points
+    of an `inferd profile` (profile.json).
+
+    decode(B, c): piecewise linear in the batch B between the batches measured at each context, then in the context c
+    between measured contexts (extrapolated linearly past the last ones). prefill(P): piecewise linear through (0, decode(1, c0)) and
+    the measured prefill lengths, where c0 is the shortest measured context: a step always reads the weights once.
+    A mixed step costs decode(B, c) + prefill(P) - decode(1, c0): the decode rows plus what the prompt tokens add.
+    """
+
+    def __init__(self, decode: dict[tuple[int, int], float], prefill: dict[int, float]):
+        if not decode:
+            raise ValueError("the profile has no decode points")
+        self.contexts = sorted({c for _, c in decode})
+        # per context, the batches measured there (a profile skips the largest batches where the KV cache is short)
+        self.by_context = {c: sorted((b, t) for (b, cc), t in decode.items() if cc == c) for c in self.contexts}
+        self.base = self.decode(1, self.contexts[0])
+        lengths = sorted(prefill)
+        self.prefill_x = [0] + lengths
+        self.prefill_y = [self.base] + [prefill[n] for n in lengths]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepModel":
+        data = json.loads(Path(path).read_text())
+        decode, prefill = {}, {}
+        for p in data.get("points", []):
+            if p.get("kind") == "decode":
+                decode[(int(p["batch"]), int(p["context"]))] = float(p["step_s"])
+            elif p.get("kind") == "prefill":
+                # a prefill point: one sequence of `context` prompt tokens in one step
+                prefill[int(p["context"]) * int(p.get("batch", 1))] = float(p["step_s"])
+        return cls(decode, prefill)
+
+    @staticmethod
+    def _interp(xs: list[float], ys: list[float], x: float) -> float:
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)  # the segment, the last one past the end
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def decode(self, batch: int, context: float) -> float:
+        if batch <= 0:
+            return 0.0
+        by_context = [self._interp([b for b, _ in points], [t for _, t in points], batch)
+                      for points in self.by_context.values()]
+        return max(self._interp(self.contexts, by_context, context), 1e-6)
+
+    def step(self, batch: int, context: float, prefill_tokens: int) -> float:
+        if prefill_tokens <= 0:
+            return self.decode(batch, context)
+        prefill = self._interp(self.prefill_x, self.prefill_y, prefill_tokens)
+        if batch <= 0:
+            return max(prefill, 1e-6)
+        return self.decode(batch, context) + max(0.0, prefill - self.base)
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker runs with (the engine's and gateway's settings of the same names)."""
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
+    kv_tokens: int = 2912 * 16  # the default model's pool under the default --kv-cache-bytes (2912 blocks of 16)
+
+
+@dataclass(eq=False)
+class Req:
+    t: float  # arrival
+    prompt: int
+    output: int
+    need: int = 0  # tokens to prefill before the next token: the prompt (plus what a preemption threw away)
+    prefilled: int = 0
+    generated: int = 0
+    first_token: float | None = None
+    done: float | None = None
+    kv: int = 0  # KV cache tokens it holds on its worker
+
+    def __post_init__(self):
+        self.need = self.prompt
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.t
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.done - self.first_token) / (self.output - 1) if self.output > 1 else None
+
+    @property
+    def e2e(self) -> float:
+        return self.done - self.t
+
+
+@dataclass(eq=False)
+class Worker:
+    wid: int
+    launched: float  # when it was started (billed from here)
+    ready: float  # when it takes work
+    running: list = field(default_factory=list)
+    waiting: deque = field(default_factory=deque)
+    busy: bool = False
+    retiring: bool = False
+    stopped: float | None = None
+    kv_used: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+
+ARRIVAL, STEP_END, READY, TICK, FLEET = range(5)
+
+
+class Simulation:
+    """Requests (sorted by arrival) against a fleet. The fleet is set with `set_fleet` (from `on_tick`, called every
+    `tick_s` with the simulation, or from a schedule of (time, workers) changes)."""
+
+    def __init__(self, model: StepModel, config: WorkerConfig, requests: list[Req], workers: int = 1,
+                 start_delay_s: float = 0.0, schedule: list[tuple[float, int]] = (), on_tick=None,
+                 tick_s: float = 1.0):
+        self.model, self.config = model, config
+        self.requests = requests
+        self.start_delay_s = start_delay_s
+        self.workers: list[Worker] = []
+        self.line: deque[Req] = deque()
+        self.now = 0.0
+        self._steps: list = []  # (time, seq, kind, payload) of step ends
+        self._control: list = []  # the same, of everything else (a worker ready, a fleet change, a tick)
+        self._seq = 0
+        self.on_tick, self.tick_s = on_tick, tick_s
+        self._next_arrival = 0
+        self.fleet_log: list[tuple[float, int]] = []  # (time, workers launched and not stopped)
+        self.set_fleet(workers, delay=0.0)
+        for t, n in schedule:
+            self._push(t, FLEET, n)
+        if on_tick is not None:
+            self._push(0.0, TICK, None)
+
+    # ---- the fleet -----------------------------------------------------------------------------------------------
+    @property
+    def live(self) -> list[Worker]:
+        """Workers started and not retiring (ready or still loading)."""
+        return [w for w in self.workers if not w.retiring]
+
+    def set_fleet(self, n: int, delay: float | None = None) -> None:
+        live = self.live
+        delay = self.start_delay_s if delay is None else delay
+        for _ in range(n - len(live)):
+            w = Worker(len(self.workers), self.now, self.now + delay)
+            self.workers.append(w)
+            self._push(w.ready, READY, w)
+        if n < len(live):
+            # those still loading go first, then the least loaded; a retiring worker finishes what it holds
+            order = sorted(live, key=lambda w: (w.ready <= self.now, w.load, -w.wid))
+            for w in order[:len(live) - n]:
+                w.retiring = True
+                self._maybe_stop(w)
+        self._log_fleet()
+
+    def _log_fleet(self) -> None:
+        count = sum(1 for w in self.workers if w.stopped is None)
+        if not self.fleet_log or self.fleet_log[-1][1] != count:
+            self.fleet_log.append((self.now, count))
+
+    def _maybe_stop(self, w: Worker) -> None:
+        if w.retiring and w.stopped is None and not w.busy and not w.load:
+            w.stopped = self.now
+            self._log_fleet()
+
+    def worker_seconds(self, end: float) -> float:
+        return sum((w.stopped if w.stopped is not None else end) - w.launched for w in self.workers)
+
+    # ---- events ----------------------------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._steps if kind == STEP_END else self._control, (t, self._seq, kind, payload))
+
+    def _horizon(self) -> float:
+        """The next event that can change what a decoding worker with nothing waiting does: an arrival (it may be
+        sent to it) or a control event. Other workers' step ends cannot (the line is empty, or it is full)."""
+        t = self._control[0][0] if self._control else math.inf
+        if self._next_arrival < len(self.requests):
+            t = min(t, self.requests[self._next_arrival].t)
+        return t
+
+    def run(self, until: float | None = None) -> None:
+        """Until every request is done (and, with `until`, no earlier than that time)."""
+        reqs = self.requests
+        while True:
+            arrival = reqs[self._next_arrival].t if self._next_arrival < len(reqs) else math.inf
+            step = self._steps[0][0] if self._steps else math.inf
+            control = self._control[0][0] if self._control else math.inf
+            event = min(step, control)
+            if arrival <= event:
+                if arrival == math.inf:
+                    return
+                self.now = arrival
+                self.line.append(reqs[self._next_arrival])
+                self._next_arrival += 1
+                self._dispatch()
+                continue
+            t, _, kind, payload = heapq.heappop(self._steps if step <= control else self._control)
+            self.now = t
+            if kind == STEP_END:
+                self._step_end(*payload)
+            elif kind == READY:
+                if payload.stopped is None:
+                    self._dispatch()
+            elif kind == FLEET:
+                self.set_fleet(payload, delay=0.0)
+                self._dispatch()
+            elif kind == TICK:
+                finished = self._next_arrival >= len(reqs) and not self.line and \
+                    not any(w.load for w in self.workers) and (until is None or t >= until)
+                if not finished:
+                    self.on_tick(self)
+                    self._dispatch()
+                    self._push(t + self.tick_s, TICK, None)
+
+    def _dispatch(self) -> None:
+        cap = self.config.max_num_seqs + self.config.worker_queue_depth
+        ready = [w for w in self.workers if not w.retiring and w.ready <= self.now and w.stopped is None]
+        while self.line and ready:
+            w = min(ready, key=lambda w: (w.load, w.wid))
+            if w.load >= cap:
+                break
+            w.waiting.append(self.line.popleft())
+        for w in self.workers:
+            if not w.busy and w.stopped is None and w.load:
+                self._step(w)
+
+    # ---- a worker's step -------------------------------------------------------------------------------------------
+    def _step(self, w: Worker) -> None:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        decoding = [r for r in w.running if r.prefilled >= r.need]
+        # the KV cache must hold one more token per decoding sequence: preempt the newest until it does
+        while decoding and w.kv_used + len(decoding) > c.kv_tokens:
+            victim = w.running.pop()
+            w.kv_used -= victim.kv
+            victim.kv = 0
+            victim.need, victim.prefilled = victim.prompt + victim.generated, 0
+            w.waiting.appendleft(victim)
+            w.preemptions += 1
+            decoding = [r for r in w.running if r.prefilled >= r.need]
+        budget -= len(decoding)
+        chunks = []
+        for r in w.running:
+            if r.prefilled < r.need and budget > 0:
+                n = min(r.need - r.prefilled, budget)
+                chunks.append((r, n))
+                budget -= n
+        while w.waiting and budget > 0 and len(w.running) < c.max_num_seqs \
+                and w.kv_used + w.waiting[0].need + 1 <= c.kv_tokens:
+            r = w.waiting.popleft()
+            w.running.append(r)
+            w.kv_used += r.need
+            r.kv = r.need
+            n = min(r.need, budget)
+            chunks.append((r, n))
+            budget -= n
+        if not decoding and not chunks:
+            return  # nothing fits (a request larger than the KV cache would wait forever: not modelled)
+        prefill = sum(n for _, n in chunks)
+        context = sum(r.need + r.generated for r in decoding) / len(decoding) if decoding else 0.0
+        dt = self.model.step(len(decoding), context, prefill)
+        k = 1
+        if not chunks and not w.waiting:  # only decodes and nothing to admit: jump to the next event
+            left = min(r.output - r.generated for r in decoding)
+            room = (c.kv_tokens - w.kv_used) // len(decoding)
+            horizon = self._horizon() - self.now
+            k = max(1, min(left, room, math.ceil(horizon / dt) if horizon < math.inf else left))
+            if k > 1:
+                dt = self.model.decode(len(decoding), context + (k - 1) / 2)
+        w.busy = True
+        w.steps += k
+        self._push(self.now + k * dt, STEP_END, (w, decoding, chunks, k))
+
+    def _step_end(self, w: Worker, decoding: list[Req], chunks: list, k: int) -> None:
+        w.busy = False
+        for r in decoding:
+            if r.prefilled < r.need:  # preempted meanwhile (cannot happen inside a step; kept for safety)
+                continue
+            r.generated += k
+            r.kv += k
+            w.kv_used += k
+        for r, n in chunks:
+            r.prefilled += n
+            if r.prefilled >= r.need:  # the prompt is in: this step also sampled its next token
+                r.generated += 1
+                r.kv += 1
+                w.kv_used += 1
+                if r.first_token is None:
+                    r.first_token = self.now
+        for r in [r for r in w.running if r.generated >= r.output]:
+            r.done = self.now
+            w.running.remove(r)
+            w.kv_used -= r.kv
+            r.kv = 0
+        self._maybe_stop(w)
+        self._dispatch()
