@@ -52,9 +52,20 @@ def predict(model: StepModel, config: WorkerConfig, bench: BenchConfig) -> dict:
     specs = generate_workload(bench, rng)
     offsets = arrival_offsets(len(specs), bench.request_rate, rng)
     reqs = [Req(t, len(s.prompt), s.output_len) for t, s in zip(offsets, specs)]
-    Simulation(model, config, reqs, workers=1).run()
+    sim = Simulation(model, config, reqs, workers=1)
+    sim.run()
     duration = max(r.done for r in reqs) - min(r.t for r in reqs)
-    return {"ttfts": [r.ttft for r in reqs], "output_tokens": sum(r.output for r in reqs), "duration": duration}
+    return {"ttfts": [r.ttft for r in reqs], "output_tokens": sum(r.output for r in reqs), "duration": duration,
+            "steps": sim.workers[0].steps, "busy_s": sim.workers[0].busy_s}
+
+
+def engine_counters(url: str) -> tuple[float, float]:
+    """(steps, busy seconds) the worker has run."""
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(("inferd_engine_steps_total", "inferd_engine_busy_seconds_total")):
+            values[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return values.get("inferd_engine_steps_total", 0.0), values.get("inferd_engine_busy_seconds_total", 0.0)
 
 
 def figures(ttfts: list[float], output_tokens: int, duration: float) -> dict:
@@ -83,6 +94,7 @@ def main() -> int:
             seed = args.seed + i
             bench = BenchConfig(url=url, num_prompts=args.num_prompts, input_len=args.input_len,
                                 output_len=args.output_len, request_rate=rate, seed=seed)
+            before = engine_counters(url)
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, "-m", "inferd", "bench", "--url", url, "--request-rate", str(rate),
                                 "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
@@ -90,10 +102,14 @@ def main() -> int:
                                 "--output-json", f.name], check=True, stdout=subprocess.DEVNULL)
                 real = json.loads(Path(f.name).read_text())
             assert not any(real["errors"]), real["errors"]
+            time.sleep(1.0)  # the last heartbeat
+            after = engine_counters(url)
             measured = figures(real["ttfts"], sum(real["output_lens"]), real["duration"])
             sim = predict(model, config, bench)
             predicted = figures(sim["ttfts"], sim["output_tokens"], sim["duration"])
             rows.append((rate, measured, predicted))
+            print(f"rate {rate:g}: steps {after[0] - before[0]:.0f} real (warm-up included) vs {sim['steps']} "
+                  f"simulated; busy {after[1] - before[1]:.1f} s vs {sim['busy_s']:.1f} s", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -179,9 +179,9 @@ def markdown(result: dict, args) -> str:
     auto = by_name.get("autoscaler")
     if auto is not None:
         saved = fixed["worker_hours"] - auto["worker_hours"]
-        lines += ["", f"The autoscaler uses {saved:.1f} fewer worker-hours than the fixed fleet of "
-                  f"{result['fixed_workers']} ({saved * price:.2f} at {price:g} per worker-hour), "
-                  f"{100 * saved / fixed['worker_hours']:.0f}% less."]
+        lines += ["", f"The autoscaler uses {abs(saved):.1f} {'fewer' if saved >= 0 else 'more'} worker-hours than "
+                  f"the fixed fleet of {result['fixed_workers']} ({abs(saved) * price:.2f} at {price:g} per "
+                  f"worker-hour, {abs(100 * saved / fixed['worker_hours']):.0f}% {'less' if saved >= 0 else 'more'})."]
     r = result["ramp"]
     if r is not None:
         lines += ["", f"## The morning ramp (hours {r['hours'][0]:02d}-{r['hours'][1]:02d})", "",

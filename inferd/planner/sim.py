@@ -133,6 +133,7 @@ class Worker:
     stopped: float | None = None
     kv_used: int = 0
     steps: int = 0
+    busy_s: float = 0.0  # time spent in steps
     preemptions: int = 0
 
     @property
@@ -306,6 +307,7 @@ class Simulation:
                 dt = self.model.decode(len(decoding), context + (k - 1) / 2)
         w.busy = True
         w.steps += k
+        w.busy_s += k * dt
         self._push(self.now + k * dt, STEP_END, (w, decoding, chunks, k))
 
     def _step_end(self, w: Worker, decoding: list[Req], chunks: list, k: int) -> None:
