@@ -20,13 +20,17 @@ from dataclasses import asdict, dataclass
 
 DEFAULT_CONTEXTS = (128, 1024)
 DEFAULT_PREFILL = (64, 256, 1024)
+# mixed steps (a decode batch and one prompt chunk in the same step, as chunked prefill makes them while serving):
+# decode batches x prefill chunk lengths, at the first of --contexts; what `inferd plan` models a busy worker with
+DEFAULT_MIXED_BATCHES = (1, 8, 32)
+DEFAULT_MIXED_PREFILL = (64, 192)
 
 
 @dataclass
 class Point:
-    kind: str  # decode | prefill
-    batch: int
-    context: int  # decode: the context attended; prefill: the prompt length
+    kind: str  # decode | prefill | mixed
+    batch: int  # decode rows
+    context: int  # decode and mixed: the context the decode rows attend; prefill: the prompt length
     step_s: float
     tokens_per_s: float
     bytes: int
@@ -35,6 +39,7 @@ class Point:
     mfu: float
     intensity: float  # FLOPs per byte
     bound: str
+    prefill_tokens: int = 0  # mixed: the prompt chunk run beside the decode rows
 
 
 def _point(kind: str, batch: int, context: int, seconds: list[float], nbytes: int, flops: int, tokens: int,
@@ -71,6 +76,36 @@ def decode_point(engine, batch: int, context: int, steps: int, peaks) -> Point:
         nbytes, flops, tokens = b, f, decode
     _finish(engine)
     return _point("decode", batch, context, seconds, nbytes, flops, tokens, peaks)
+
+
+def mixed_point(engine, batch: int, context: int, prefill: int, repeats: int, peaks) -> Point:
+    """batch requests decoding at `context` (set up untimed, as decode_point does), then `repeats` times a new
+    request of a `prefill`-token prompt: the step that runs its prompt beside the batch's decodes is timed."""
+    from ..engine import SamplingParams
+
+    budget = engine.config.max_num_batched_tokens
+    params = SamplingParams(max_tokens=2 * repeats + 8 + batch * context // budget, temperature=0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request([(5 + 113 * i + 19 * j) % vocab for j in range(context - 1)], params)
+    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
+        engine.step()
+    seconds, nbytes, flops = [], 0, 0
+    for r in range(repeats):
+        request_id = engine.add_request([(13 + 89 * r + 31 * j) % vocab for j in range(prefill)],
+                                        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.step()
+        s, pre, decode, b, f = engine.stats.last
+        if pre == prefill and decode == batch:
+            seconds.append(s)
+            nbytes, flops = b, f
+        if request_id in engine.requests:
+            engine.abort(request_id)
+        engine.take_pending_outputs()
+    _finish(engine)
+    point = _point("mixed", batch, context, seconds, nbytes, flops, batch + prefill, peaks)
+    point.prefill_tokens = prefill
+    return point
 
 
 def prefill_point(engine, length: int, repeats: int, peaks) -> Point:
@@ -123,6 +158,15 @@ def run_profile(args) -> dict:
     for length in prefills:
         points.append(prefill_point(engine, length, max(2, args.steps // 2), peaks))
         _show(points[-1])
+    mixed = [int(b) for b in args.mixed_batches.split(",") if b.strip()] if args.mixed_batches else []
+    for batch in mixed:
+        if batch > min(args.max_batch, engine.kv_cache.num_blocks // engine.kv_cache.blocks_needed(
+                contexts[0] + args.steps + 16)):
+            continue
+        for length in (int(p) for p in args.mixed_prefill.split(",")):
+            if batch + length <= engine.config.max_num_batched_tokens:
+                points.append(mixed_point(engine, batch, contexts[0], length, max(3, args.steps // 2), peaks))
+                _show(points[-1])
     engine.close()
     return {"model": os.path.basename(args.model or "SmolLM2-135M-Instruct"), "dtype": str(engine.dtype),
             "kv_dtype": str(engine.kv_dtype),
@@ -132,7 +176,8 @@ def run_profile(args) -> dict:
 
 
 def _show(p: Point) -> None:
-    print(f"  {p.kind:7s} batch {p.batch:3d} context {p.context:5d}: {p.step_s * 1000:8.2f} ms/step "
+    extra = f" + {p.prefill_tokens} prompt tokens" if p.kind == "mixed" else ""
+    print(f"  {p.kind:7s} batch {p.batch:3d} context {p.context:5d}{extra}: {p.step_s * 1000:8.2f} ms/step "
           f"{p.tokens_per_s:9.1f} tok/s  MBU {p.mbu:6.1%}  MFU {p.mfu:6.1%}  {p.bound}", flush=True)
 
 
@@ -231,6 +276,10 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="decode context lengths")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (powers of 2 up to it)")
     p.add_argument("--prefill", default=",".join(map(str, DEFAULT_PREFILL)), help="prefill lengths")
+    p.add_argument("--mixed-batches", default=",".join(map(str, DEFAULT_MIXED_BATCHES)),
+                   help="decode batches of the mixed steps (a batch decoding beside one prompt chunk); '' for none")
+    p.add_argument("--mixed-prefill", default=",".join(map(str, DEFAULT_MIXED_PREFILL)),
+                   help="prompt chunk lengths of the mixed steps")
     p.add_argument("--steps", type=int, default=8, help="timed steps per point (the median is reported)")
     p.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s (default: calibrated, cached)")
     p.add_argument("--peak-flops", type=float, default=None, help="FLOP/s (default: calibrated, cached)")

@@ -34,10 +34,14 @@ class StepModel:
     decode(B, c): piecewise linear in the batch B between the batches measured at each context, then in the context c
     between measured contexts (extrapolated linearly past the last ones). prefill(P): piecewise linear through (0, decode(1, c0)) and
     the measured prefill lengths, where c0 is the shortest measured context: a step always reads the weights once.
-    A mixed step costs decode(B, c) + prefill(P) - decode(1, c0): the decode rows plus what the prompt tokens add.
+    A mixed step costs decode(B, c) plus what the prompt tokens add: measured, where the profile has mixed points
+    (`inferd profile` times a decode batch B beside a P-token prompt chunk: the extra is that step less decode(B, c)
+    at the same context), piecewise linear in P (from 0 at P = 0) and then in B; else estimated as
+    prefill(P) - decode(1, c0).
     """
 
-    def __init__(self, decode: dict[tuple[int, int], float], prefill: dict[int, float]):
+    def __init__(self, decode: dict[tuple[int, int], float], prefill: dict[int, float],
+                 mixed: dict[tuple[int, int, int], float] | None = None):
         if not decode:
             raise ValueError("the profile has no decode points")
         self.contexts = sorted({c for _, c in decode})
@@ -47,18 +51,24 @@ class StepModel:
         lengths = sorted(prefill)
         self.prefill_x = [0] + lengths
         self.prefill_y = [self.base] + [prefill[n] for n in lengths]
+        # mixed points: (batch, context, prompt tokens) -> step_s, kept as batch -> [(prompt tokens, extra s)]
+        self.mixed: dict[int, list[tuple[int, float]]] = {}
+        for (b, c, p), t in sorted((mixed or {}).items()):
+            self.mixed.setdefault(b, [(0, 0.0)]).append((p, t - self.decode(b, c)))
 
     @classmethod
     def load(cls, path: str | Path) -> "StepModel":
         data = json.loads(Path(path).read_text())
-        decode, prefill = {}, {}
+        decode, prefill, mixed = {}, {}, {}
         for p in data.get("points", []):
             if p.get("kind") == "decode":
                 decode[(int(p["batch"]), int(p["context"]))] = float(p["step_s"])
             elif p.get("kind") == "prefill":
                 # a prefill point: one sequence of `context` prompt tokens in one step
                 prefill[int(p["context"]) * int(p.get("batch", 1))] = float(p["step_s"])
-        return cls(decode, prefill)
+            elif p.get("kind") == "mixed":
+                mixed[(int(p["batch"]), int(p["context"]), int(p["prefill_tokens"]))] = float(p["step_s"])
+        return cls(decode, prefill, mixed)
 
     @staticmethod
     def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -81,7 +91,18 @@ class StepModel:
         prefill = self._interp(self.prefill_x, self.prefill_y, prefill_tokens)
         if batch <= 0:
             return max(prefill, 1e-6)
-        return self.decode(batch, context) + max(0.0, prefill - self.base)
+        return self.decode(batch, context) + self.extra(batch, prefill_tokens, prefill)
+
+    def extra(self, batch: int, prefill_tokens: int, prefill_alone: float | None = None) -> float:
+        """What prefill_tokens prompt tokens add to a step of `batch` decode rows."""
+        if not self.mixed:
+            alone = prefill_alone if prefill_alone is not None else \
+                self._interp(self.prefill_x, self.prefill_y, prefill_tokens)
+            return max(0.0, alone - self.base)
+        batches = sorted(self.mixed)
+        per_batch = [self._interp([p for p, _ in self.mixed[b]], [e for _, e in self.mixed[b]], prefill_tokens)
+                     for b in batches]
+        return max(0.0, self._interp(batches, per_batch, batch))
 
 
 @dataclass

@@ -5,6 +5,7 @@ roofline PNG is written."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
@@ -43,11 +44,24 @@ def test_profile_of_the_tiny_model(tiny_llama_dir, tmp_path):
     add_profile_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_llama_dir), "--dtype", "float32", "--contexts", "32",
                               "--max-batch", "4", "--prefill", "16,48", "--steps", "3", "--peak-bandwidth", "20e9",
-                              "--peak-flops", "100e9", "--out", str(tmp_path)])
+                              "--peak-flops", "100e9", "--mixed-batches", "2,8", "--mixed-prefill", "8,24",
+                              "--out", str(tmp_path)])
     result = run_profile(args)
     points = result["points"]
-    assert [(p["kind"], p["batch"], p["context"]) for p in points] == \
-        [("decode", 1, 32), ("decode", 2, 32), ("decode", 4, 32), ("prefill", 1, 16), ("prefill", 1, 48)]
+    # mixed steps: batch 8 is over --max-batch, so only batch 2, beside prompt chunks of 8 and 24 tokens
+    assert [(p["kind"], p["batch"], p["context"], p["prefill_tokens"]) for p in points] == \
+        [("decode", 1, 32, 0), ("decode", 2, 32, 0), ("decode", 4, 32, 0), ("prefill", 1, 16, 0),
+         ("prefill", 1, 48, 0), ("mixed", 2, 32, 8), ("mixed", 2, 32, 24)]
+    mixed = [p for p in points if p["kind"] == "mixed"]
+    assert mixed[0]["flops"] < mixed[1]["flops"]  # more prompt tokens, more work in the step
+    assert mixed[0]["tokens_per_s"] == pytest.approx((2 + 8) / mixed[0]["step_s"])
+    # the planner's worker model reads them: a mixed step's extra over its decode rows, 0 without prompt tokens
+    from inferd.planner.sim import StepModel
+
+    (tmp_path / "profile.json").write_text(json.dumps(result))
+    model = StepModel.load(tmp_path / "profile.json")
+    assert model.step(2, 32, 24) == pytest.approx(mixed[1]["step_s"])
+    assert model.extra(2, 0) == 0.0
     ridge = result["peaks"]["ridge"]
     assert ridge == pytest.approx(5.0) and result["peaks"]["source"] == "flags"
     for p in points:
