@@ -7,12 +7,14 @@ the same collect pass. What `/metrics` cannot say by itself (rates, percentiles 
 is computed here from a history of samples the process takes every DASHBOARD_SAMPLE_S: a percentile over a window is
 Prometheus' `histogram_quantile` over the growth of the histogram's buckets in that window (the first sample is taken
 before the server accepts a request, so while the server is younger than the window that growth is the whole
-histogram). The history keeps only the families the page derives from, for the longest window.
+histogram). The history keeps, for the longest window, each sample's summary: the few figures the page derives from,
+parsed once when the sample is taken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 from collections import deque
@@ -24,13 +26,6 @@ from ..config import (DASHBOARD_RATE_S, DASHBOARD_SAMPLE_S, DASHBOARD_TREND_S, D
 LATENCIES = {"ttft": "inferd_time_to_first_token_seconds", "tpot": "inferd_time_per_output_token_seconds",
              "e2e": "inferd_e2e_request_latency_seconds"}
 QUANTILES = (0.5, 0.9, 0.99)
-# the families whose history the page needs (rates, percentiles over a window, charts)
-_HISTORY = ("inferd_prompt_tokens_total", "inferd_generation_tokens_total", "inferd_gateway_admissions_total",
-            "inferd_tenant_tokens_total", "inferd_queue_requests", "inferd_queue_tier_tokens",
-            "inferd_worker_requests_running", "inferd_worker_kv_usage", "inferd_desired_workers",
-            "inferd_workers_attached", *(f"{name}_bucket" for name in LATENCIES.values()))
-
-
 def sample_key(name: str, labels: dict[str, str]) -> str:
     """The sample's name as `/metrics` writes it (prometheus_client's text format): name{label="value",...}, the
     labels sorted by name."""
@@ -72,25 +67,62 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return lower_bound
 
 
-def _buckets(sample: dict[str, float], family: str, base: dict[str, float] | None = None
-             ) -> list[tuple[float, float]]:
-    prefix = f'{family}_bucket{{le="'
-    out = []
+def _summary(sample: dict[str, float]) -> dict:
+    """What the page derives from one sample, parsed once (the history keeps these, not the samples)."""
+    out = {"prompt": 0.0, "generation": 0.0, "desired": 0.0, "attached": 0.0, "admissions": {}, "tenant_tokens": {},
+           "queue": {}, "running": 0.0, "kv": [], "buckets": {short: [] for short in LATENCIES}}
+    families = {f"{family}_bucket": short for short, family in LATENCIES.items()}
     for key, value in sample.items():
-        if key.startswith(prefix):
-            bound = float(key[len(prefix):-2])
-            out.append((bound, value - (base.get(key, 0.0) if base is not None else 0.0)))
-    return sorted(out)
-
-
-def _labelled(sample: dict[str, float], family: str, label: str) -> dict[str, float]:
-    """{label value: sample value} of a family with one label (or the label named, first of several)."""
-    prefix = f'{family}{{{label}="'
-    out = {}
-    for key, value in sample.items():
-        if key.startswith(prefix):
-            out[key[len(prefix):key.index('"', len(prefix))]] = value
+        name, _, labels = key.partition("{")
+        if name == "inferd_prompt_tokens_total":
+            out["prompt"] = value
+        elif name == "inferd_generation_tokens_total":
+            out["generation"] = value
+        elif name == "inferd_desired_workers":
+            out["desired"] = value
+        elif name == "inferd_workers_attached":
+            out["attached"] = value
+        elif name == "inferd_gateway_admissions_total":
+            out["admissions"][_label(labels, "outcome")] = value
+        elif name == "inferd_tenant_tokens_total":
+            out["tenant_tokens"][_label(labels, "tenant")] = value
+        elif name == "inferd_queue_requests":
+            out["queue"][_label(labels, "tier")] = value
+        elif name == "inferd_worker_requests_running":
+            out["running"] += value
+        elif name == "inferd_worker_kv_usage":
+            out["kv"].append(value)
+        elif name in families:
+            out["buckets"][families[name]].append((float(_label(labels, "le")), value))
+    for buckets in out["buckets"].values():
+        buckets.sort()
+    out["kv"] = sum(out["kv"]) / len(out["kv"]) if out["kv"] else 0.0
     return out
+
+
+def _label(labels: str, name: str) -> str:
+    """A label's value from the inside of {...} as sample_key writes it (escapes undone)."""
+    marker = f'{name}="'
+    i = labels.find(marker)
+    if i > 0 and labels[i - 1] != ",":  # e.g. "le" inside another label's name
+        i = labels.find("," + marker) + 1
+    i += len(marker)
+    out, j = [], i
+    while labels[j] != '"':
+        if labels[j] == "\\":
+            j += 1
+            out.append({"n": "\n"}.get(labels[j], labels[j]))
+        else:
+            out.append(labels[j])
+        j += 1
+    return "".join(out)
+
+
+def _grown(now: list[tuple[float, float]], before: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A histogram's buckets' growth between two samples (the bounds are the same: a histogram's are fixed)."""
+    if len(before) != len(now):
+        return now
+    return [(bound, count - old) for (bound, count), (_, old) in zip(now, before)]
 
 
 class Dashboard:
@@ -101,44 +133,37 @@ class Dashboard:
         self.sample_s = sample_s
         self.clock = clock
         self.started = clock()
-        self.history: deque[tuple[float, dict[str, float]]] = deque(
-            maxlen=int(max(DASHBOARD_WINDOWS_S) / sample_s) + 2)
+        self.history: deque[tuple[float, dict]] = deque(maxlen=int(max(DASHBOARD_WINDOWS_S) / sample_s) + 2)
 
     def sample(self) -> None:
-        now = read_registry(self.state.metrics.registry)
-        self.history.append((self.clock(), {k: v for k, v in now.items() if k.startswith(_HISTORY)}))
+        self.history.append((self.clock(), _summary(read_registry(self.state.metrics.registry))))
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.sample_s)
             self.sample()
 
-    def _base(self, t: float) -> tuple[float, dict[str, float]]:
+    def _base(self, t: float, times: list[float]) -> tuple[float, dict]:
         """The latest sample taken at or before t (the oldest one when none is that old)."""
-        chosen = self.history[0]
-        for entry in self.history:
-            if entry[0] > t:
-                break
-            chosen = entry
-        return chosen
+        return self.history[max(0, bisect.bisect_right(times, t) - 1)]
 
     def view(self, window_s: float = DEFAULT_DASHBOARD_WINDOW_S) -> dict:
         state = self.state
         t = self.clock()
         current = read_registry(state.metrics.registry)
-        base_t, base = self._base(t - window_s)
-        rate_t, rate_base = self._base(t - DASHBOARD_RATE_S)
+        now = _summary(current)
+        times = [e[0] for e in self.history]
+        base_t, base = self._base(t - window_s, times)
+        rate_t, rate_base = self._base(t - DASHBOARD_RATE_S, times)
         span = max(t - rate_t, 1e-9)
-        latency = {}
-        for short, family in LATENCIES.items():
-            grown = _buckets(current, family, base)
-            latency[short] = {"count": grown[-1][1] if grown else 0.0,
-                              **{f"p{round(q * 100)}": histogram_quantile(q, grown) for q in QUANTILES}}
         limiter = getattr(state.gateway, "limiter", None)
         quota_window = float(getattr(limiter, "window", 60.0))
-        _, quota_base = self._base(t - quota_window)
-        admissions = _labelled(current, "inferd_gateway_admissions_total", "outcome")
-        admissions_base = _labelled(base, "inferd_gateway_admissions_total", "outcome")
+        _, quota_base = self._base(t - quota_window, times)
+        latency = {}
+        for short in LATENCIES:
+            grown = _grown(now["buckets"][short], base["buckets"][short])
+            latency[short] = {"count": grown[-1][1] if grown else 0.0,
+                              **{f"p{round(q * 100)}": histogram_quantile(q, grown) for q in QUANTILES}}
         autoscaler = state.autoscaler
         rollout = state.rollout
         return {
@@ -151,17 +176,15 @@ class Dashboard:
             "rate_s": DASHBOARD_RATE_S,
             "tiers": list(TIERS),
             "current": current,
-            "rates": {
-                "prompt_tokens_per_s": (current.get("inferd_prompt_tokens_total", 0.0)
-                                        - rate_base.get("inferd_prompt_tokens_total", 0.0)) / span,
-                "generation_tokens_per_s": (current.get("inferd_generation_tokens_total", 0.0)
-                                            - rate_base.get("inferd_generation_tokens_total", 0.0)) / span},
+            "rates": {"prompt_tokens_per_s": (now["prompt"] - rate_base["prompt"]) / span,
+                      "generation_tokens_per_s": (now["generation"] - rate_base["generation"]) / span},
             "latency": latency,
-            "admissions_in_window": {k: v - admissions_base.get(k, 0.0) for k, v in admissions.items()},
+            "admissions_in_window": {k: v - base["admissions"].get(k, 0.0) for k, v in now["admissions"].items()},
             "quota_window_s": quota_window,
             # tokens charged to each tenant within its quota's window (--rate-window), to set against its tpm
-            "tenant_tokens_in_quota_window": _tenant_usage(current, quota_base),
-            "series": self._series(t, window_s, current),
+            "tenant_tokens_in_quota_window": {k: v - quota_base["tenant_tokens"].get(k, 0.0)
+                                              for k, v in now["tenant_tokens"].items()},
+            "series": self._series(t, window_s, now, times),
             "autoscaler": None if autoscaler is None else {
                 "desired": autoscaler.desired, "need": autoscaler.need, "target": autoscaler.target,
                 "reason": autoscaler.reason, "min_workers": autoscaler.config.min_workers,
@@ -169,44 +192,31 @@ class Dashboard:
             "rollout": None if rollout is None else _rollout(rollout),
         }
 
-    def _series(self, t: float, window_s: float, current: dict[str, float]) -> dict:
-        points = [e for e in self.history if e[0] >= t - window_s] + [(t, current)]
+    def _series(self, t: float, window_s: float, now: dict, times: list[float]) -> dict:
+        points = [e for e in self.history if e[0] >= t - window_s] + [(t, now)]
         out: dict = {"t": [], "prompt_tokens_per_s": [], "generation_tokens_per_s": [], "running": [], "kv_usage": [],
                      "desired_workers": [], "attached_workers": [], "queue": {tier: [] for tier in TIERS},
                      "ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "tpot_p99": []}
         previous = None
         for when, sample in points:
             out["t"].append(when - t)
-            if previous is None:
-                prev_t, prev = self._base(when - self.sample_s)
-            else:
-                prev_t, prev = previous
+            prev_t, prev = previous if previous is not None else self._base(when - self.sample_s, times)
             dt = when - prev_t
-            for key, name in (("prompt_tokens_per_s", "inferd_prompt_tokens_total"),
-                              ("generation_tokens_per_s", "inferd_generation_tokens_total")):
-                out[key].append((sample.get(name, 0.0) - prev.get(name, 0.0)) / dt if dt > 0 else 0.0)
-            out["running"].append(sum(_labelled(sample, "inferd_worker_requests_running", "worker").values()))
-            kv = list(_labelled(sample, "inferd_worker_kv_usage", "worker").values())
-            out["kv_usage"].append(sum(kv) / len(kv) if kv else 0.0)
-            out["desired_workers"].append(sample.get("inferd_desired_workers", 0.0))
-            out["attached_workers"].append(sample.get("inferd_workers_attached", 0.0))
-            queue = _labelled(sample, "inferd_queue_requests", "tier")
+            for key, field in (("prompt_tokens_per_s", "prompt"), ("generation_tokens_per_s", "generation")):
+                out[key].append((sample[field] - prev[field]) / dt if dt > 0 else 0.0)
+            out["running"].append(sample["running"])
+            out["kv_usage"].append(sample["kv"])
+            out["desired_workers"].append(sample["desired"])
+            out["attached_workers"].append(sample["attached"])
             for tier in TIERS:
-                out["queue"][tier].append(queue.get(tier, 0.0))
-            _, trailing = self._base(when - DASHBOARD_TREND_S)
+                out["queue"][tier].append(sample["queue"].get(tier, 0.0))
+            _, trailing = self._base(when - DASHBOARD_TREND_S, times)
             for short in ("ttft", "tpot"):
-                grown = _buckets(sample, LATENCIES[short], trailing)
+                grown = _grown(sample["buckets"][short], trailing["buckets"][short])
                 out[f"{short}_p50"].append(histogram_quantile(0.5, grown))
                 out[f"{short}_p99"].append(histogram_quantile(0.99, grown))
             previous = (when, sample)
         return out
-
-
-def _tenant_usage(current: dict[str, float], base: dict[str, float]) -> dict[str, float]:
-    """Tokens charged to each tenant's quota since `base`."""
-    now = _labelled(current, "inferd_tenant_tokens_total", "tenant")
-    before = _labelled(base, "inferd_tenant_tokens_total", "tenant")
-    return {tenant: value - before.get(tenant, 0.0) for tenant, value in now.items()}
 
 
 def _rollout(rollout) -> dict:
