@@ -500,20 +500,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    f"`worker_lost` (default {DEFAULT_REPLAY_TIMEOUT_S:g} s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.add_argument_group("autoscaling")
-    a.add_argument("--worker-capacity", type=positive_float, default=None, metavar="TOKENS_PER_S",
-                   help="tokens/s one worker sustains at the latency target: turns the autoscaler on "
-                   "(exports inferd_desired_workers)")
-    a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
-    a.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS)
-    a.add_argument("--scale-down-cooldown", type=float, default=DEFAULT_SCALE_DOWN_COOLDOWN_S,
-                   help=f"seconds the need must stay lower before workers are retired "
-                   f"(default {DEFAULT_SCALE_DOWN_COOLDOWN_S:g})")
-    a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...",
-                   help="floors by time of day, ahead of a known ramp: \"07:30=4,19:00=0\"")
+    add_autoscaler_arguments(a, "tokens/s one worker sustains at the latency target: turns the autoscaler on "
+                             "(exports inferd_desired_workers)")
     a.add_argument("--autoscale-window", type=positive_float, default=DEFAULT_AUTOSCALE_WINDOW_S,
                    help=f"seconds over which the token arrival rate is measured (default {DEFAULT_AUTOSCALE_WINDOW_S:g})")
-    a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S,
-                   help="seconds ahead of the schedule the floor applies (workers are loaded in time)")
     r = p.add_argument_group("rollouts (inferd rollout)")
     r.add_argument("--rollout-min-requests", type=int, default=DEFAULT_ROLLOUT_MIN_REQUESTS,
                    help="canary requests finished before a rollout is promoted or rolled back automatically "
@@ -583,6 +573,21 @@ def autoscaler_config(args: argparse.Namespace):
     return AutoscalerConfig(worker_capacity=args.worker_capacity, min_workers=args.min_workers,
                             max_workers=args.max_workers, scale_down_cooldown_s=args.scale_down_cooldown,
                             warm_schedule=args.warm_schedule, warm_lead_s=args.warm_lead)
+
+
+def add_autoscaler_arguments(a, capacity_help: str) -> None:
+    """The autoscaler's flags, shared by `inferd serve`/`gateway` and `inferd plan` (which replays it)."""
+    a.add_argument("--worker-capacity", type=positive_float, default=None, metavar="TOKENS_PER_S",
+                   help=capacity_help)
+    a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
+    a.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS)
+    a.add_argument("--scale-down-cooldown", type=float, default=DEFAULT_SCALE_DOWN_COOLDOWN_S,
+                   help=f"seconds the need must stay lower before workers are retired "
+                   f"(default {DEFAULT_SCALE_DOWN_COOLDOWN_S:g})")
+    a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...",
+                   help="floors by time of day, ahead of a known ramp: \"07:30=4,19:00=0\"")
+    a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S,
+                   help="seconds ahead of the schedule the floor applies (workers are loaded in time)")
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:

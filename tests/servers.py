@@ -42,9 +42,9 @@ class Server:
         except FileNotFoundError:
             return []
 
-    def metrics(self) -> dict[str, float]:
-        """/metrics as {'name{labels}': value}."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        """/metrics as {'name{labels}': value} (headers: e.g. the metrics key's)."""
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -9,8 +9,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from ..config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS,
-                      DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_TARGET_UTILIZATION, DEFAULT_WARM_LEAD_S,
+from ..config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_UTILIZATION,
                       DEFAULT_WORKER_QUEUE_DEPTH)
 from .plan import (HOUR, FleetRun, _fmt_s, by_hour, figures, hourly_need, parse_slo, read_traffic, run_autoscaler,
                    run_fixed, run_hourly_minimum, worker_capacity)
@@ -37,16 +36,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-queue-depth", type=int, default=DEFAULT_WORKER_QUEUE_DEPTH)
     w.add_argument("--kv-tokens", type=int, default=WorkerConfig.kv_tokens,
                    help="tokens the KV cache holds (default: the default model's pool, 2912 blocks of 16)")
+    from ..cli import add_autoscaler_arguments
+
     a = p.add_argument_group("the autoscaler (inferd serve's flags of the same names)")
-    a.add_argument("--worker-capacity", type=float, default=None, metavar="TOKENS_PER_S",
-                   help="default: what the simulator finds one worker sustains within the SLO at the day's mean "
-                   "lengths (printed: use it for inferd serve --worker-capacity)")
-    a.add_argument("--min-workers", type=int, default=DEFAULT_MIN_WORKERS)
-    a.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS)
-    a.add_argument("--scale-down-cooldown", type=float, default=DEFAULT_SCALE_DOWN_COOLDOWN_S)
+    add_autoscaler_arguments(a, "tokens/s one worker sustains within the SLO; default: what the simulator finds at "
+                             "the day's mean lengths (printed: use it for inferd serve --worker-capacity)")
     a.add_argument("--target-utilization", type=float, default=DEFAULT_TARGET_UTILIZATION)
-    a.add_argument("--warm-schedule", default="", metavar="HH:MM=N,...")
-    a.add_argument("--warm-lead", type=float, default=DEFAULT_WARM_LEAD_S)
     a.add_argument("--worker-start", type=float, default=DEFAULT_WORKER_START_S, metavar="SECONDS",
                    help=f"a new worker serves this long after it is started (default {DEFAULT_WORKER_START_S:g})")
 
