@@ -69,8 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="int8: weight-only int8 with a scale per output channel (half of bf16's weight bytes; "
                         "needs --dtype bfloat16 or float16); int4: 4-bit codes with a scale and minimum per 32 "
-                        "values (GGUF Q4_1's scheme) read by single-stream decode steps, ~3x faster there on a "
-                        "CPU; batched steps use the dequantized weights (no memory saved)")
+                        "values (GGUF Q4_1's scheme) read by single-stream decode steps, ~1.8x faster there than bf16 "
+                        "on the fused CPU kernels (~3x the torch references; docs/benchmarks.md); batched steps use "
+                        "the dequantized weights (no memory saved)")
     p.add_argument("--kernels", default="auto", choices=["auto", "fused", "reference", "triton"],
                    help="the step's operators: auto = the fused CPU kernels (inferd/kernels, built for this CPU) "
                         "where they apply, the Triton attention kernels on CUDA, else the plain torch references; "
