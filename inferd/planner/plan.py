@@ -249,7 +249,7 @@ def run_autoscaler(model, config, reqs, autoscaler: AutoscalerConfig, start_dela
             state["tokens"] -= reqs[state["j"]].prompt + reqs[state["j"]].output
             state["j"] += 1
         ready = [w for w in sim.workers if w.stopped is None and w.ready <= now]
-        kv = sum(w.kv_used / config.kv_tokens for w in ready) / len(ready) if ready else 0.0
+        kv = sum(w.kv_at(now) / config.kv_tokens for w in ready) / len(ready) if ready else 0.0
         queued = sum(r.prompt + r.output for r in sim.line)
         live = len(sim.live)
         demand = Demand(arrival_tokens_per_s=max(0.0, state["tokens"]) / window_s, queued_tokens=queued,

@@ -10,8 +10,9 @@ than `max_num_seqs + worker_queue_depth` requests, and a request goes to the lea
 choice without prefix affinity).
 
 Time only jumps: from one event (an arrival, a step's end, a worker ready, a fleet change, an autoscaler tick) to
-the next. A run of steps that only decode, with nothing to admit, is taken in one jump up to the next event, so a day
-of traffic takes seconds.
+the next. A run of steps that only decode, with nothing to admit, is taken in one jump (until the first sequence
+finishes or the KV cache is full), cut short at the first step boundary after new work is sent to that worker: what
+the step-by-step run would do, in one event instead of one per step, so a day of traffic takes seconds.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class StepModel:
     of an `inferd profile` (profile.json).
 
     decode(B, c): piecewise linear in the batch B between the batches measured at each context, then in the context c
-    between measured contexts (extrapolated linearly past the last ones). prefill(P): piecewise linear through (0, decode(1, c0)) and
-    the measured prefill lengths, where c0 is the shortest measured context: a step always reads the weights once.
+    between measured contexts (extrapolated linearly past the last ones). prefill(P): piecewise linear through
+    (0, decode(1, c0)) and the measured prefill lengths, where c0 is the shortest measured context: a step always
+    reads the weights once.
     A mixed step costs decode(B, c) plus what the prompt tokens add: measured, where the profile has mixed points
     (`inferd profile` times a decode batch B beside a P-token prompt chunk: the extra is that step less decode(B, c)
     at the same context), piecewise linear in P (from 0 at P = 0) and then in B; else estimated as
@@ -47,6 +49,12 @@ class StepModel:
         self.contexts = sorted({c for _, c in decode})
         # per context, the batches measured there (a profile skips the largest batches where the KV cache is short)
         self.by_context = {c: sorted((b, t) for (b, cc), t in decode.items() if cc == c) for c in self.contexts}
+        self._batch_xy = [([b for b, _ in points], [t for _, t in points]) for points in self.by_context.values()]
+        # memos (the same arithmetic, done once): per batch, the step time at each measured context; per (batch,
+        # prompt tokens), what the prompt tokens add; per prompt tokens, the prefill time
+        self._rows: dict[int, list[float]] = {}
+        self._extra: dict[tuple[int, int], float] = {}
+        self._prefill: dict[int, float] = {}
         self.base = self.decode(1, self.contexts[0])
         lengths = sorted(prefill)
         self.prefill_x = [0] + lengths
@@ -81,17 +89,23 @@ class StepModel:
     def decode(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
-        by_context = [self._interp([b for b, _ in points], [t for _, t in points], batch)
-                      for points in self.by_context.values()]
-        return max(self._interp(self.contexts, by_context, context), 1e-6)
+        row = self._rows.get(batch)
+        if row is None:
+            row = self._rows[batch] = [self._interp(bs, ts, batch) for bs, ts in self._batch_xy]
+        return max(self._interp(self.contexts, row, context), 1e-6)
 
     def step(self, batch: int, context: float, prefill_tokens: int) -> float:
         if prefill_tokens <= 0:
             return self.decode(batch, context)
-        prefill = self._interp(self.prefill_x, self.prefill_y, prefill_tokens)
+        prefill = self._prefill.get(prefill_tokens)
+        if prefill is None:
+            prefill = self._prefill[prefill_tokens] = self._interp(self.prefill_x, self.prefill_y, prefill_tokens)
         if batch <= 0:
             return max(prefill, 1e-6)
-        return self.decode(batch, context) + self.extra(batch, prefill_tokens, prefill)
+        extra = self._extra.get((batch, prefill_tokens))
+        if extra is None:
+            extra = self._extra[(batch, prefill_tokens)] = self.extra(batch, prefill_tokens, prefill)
+        return self.decode(batch, context) + extra
 
     def extra(self, batch: int, prefill_tokens: int, prefill_alone: float | None = None) -> float:
         """What prefill_tokens prompt tokens add to a step of `batch` decode rows."""
@@ -156,10 +170,20 @@ class Worker:
     steps: int = 0
     busy_s: float = 0.0  # time spent in steps
     preemptions: int = 0
+    step_token: int = 0  # the step in flight (a STEP_END with an older token was cut short: ignored)
+    jump: tuple | None = None  # a run of decode steps in flight: (start, mean step_s, steps, decoding, context)
 
     @property
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def kv_at(self, now: float) -> int:
+        """KV tokens held at `now` (kv_used is brought up to date at a step's end: within a run of decode steps,
+        add the tokens of the steps already done)."""
+        if self.jump is None:
+            return self.kv_used
+        start, dt, k, decoding, _ = self.jump
+        return self.kv_used + len(decoding) * min(k, max(0, int((now - start) / dt)))
 
 
 ARRIVAL, STEP_END, READY, TICK, FLEET = range(5)
@@ -171,8 +195,9 @@ class Simulation:
 
     def __init__(self, model: StepModel, config: WorkerConfig, requests: list[Req], workers: int = 1,
                  start_delay_s: float = 0.0, schedule: list[tuple[float, int]] = (), on_tick=None,
-                 tick_s: float = 1.0):
+                 tick_s: float = 1.0, jumps: bool = True):
         self.model, self.config = model, config
+        self.jumps = jumps  # False: every step its own event (slow; the tests compare the two)
         self.requests = requests
         self.start_delay_s = start_delay_s
         self.workers: list[Worker] = []
@@ -229,14 +254,6 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._steps if kind == STEP_END else self._control, (t, self._seq, kind, payload))
 
-    def _horizon(self) -> float:
-        """The next event that can change what a decoding worker with nothing waiting does: an arrival (it may be
-        sent to it) or a control event. Other workers' step ends cannot (the line is empty, or it is full)."""
-        t = self._control[0][0] if self._control else math.inf
-        if self._next_arrival < len(self.requests):
-            t = min(t, self.requests[self._next_arrival].t)
-        return t
-
     def run(self, until: float | None = None) -> None:
         """Until every request is done (and, with `until`, no earlier than that time)."""
         reqs = self.requests
@@ -254,9 +271,11 @@ class Simulation:
                 self._dispatch()
                 continue
             t, _, kind, payload = heapq.heappop(self._steps if step <= control else self._control)
+            if kind == STEP_END and payload[-1] != payload[0].step_token:
+                continue  # a jump cut short: its end was pushed again, earlier
             self.now = t
             if kind == STEP_END:
-                self._step_end(*payload)
+                self._step_end(*payload[:-1])
             elif kind == READY:
                 if payload.stopped is None:
                     self._dispatch()
@@ -279,6 +298,8 @@ class Simulation:
             if w.load >= cap:
                 break
             w.waiting.append(self.line.popleft())
+            if w.jump is not None:
+                self._cut_jump(w)
         for w in self.workers:
             if not w.busy and w.stopped is None and w.load:
                 self._step(w)
@@ -319,20 +340,46 @@ class Simulation:
         context = sum(r.need + r.generated for r in decoding) / len(decoding) if decoding else 0.0
         dt = self.model.step(len(decoding), context, prefill)
         k = 1
-        if not chunks and not w.waiting:  # only decodes and nothing to admit: jump to the next event
+        if self.jumps and not chunks and not w.waiting:
+            # only decodes and nothing to admit: the steps up to the first sequence's end (or a full KV cache) in one
+            # event; k steps take k times the step time at their mean context (exact while the step time is linear
+            # in the context, as it is between the profile's points)
             left = min(r.output - r.generated for r in decoding)
             room = (c.kv_tokens - w.kv_used) // len(decoding)
-            horizon = self._horizon() - self.now
-            k = max(1, min(left, room, math.ceil(horizon / dt) if horizon < math.inf else left))
+            k = max(1, min(left, room))
             if k > 1:
                 dt = self.model.decode(len(decoding), context + (k - 1) / 2)
         w.busy = True
         w.steps += k
         w.busy_s += k * dt
-        self._push(self.now + k * dt, STEP_END, (w, decoding, chunks, k))
+        w.step_token += 1
+        w.jump = (self.now, dt, k, decoding, context) if k > 1 else None
+        self._push(self.now + k * dt, STEP_END, (w, decoding, chunks, k, w.step_token))
+
+    def _cut_jump(self, w: Worker) -> None:
+        """Work was sent to a worker in a run of decode steps: the run ends at the first step boundary from now
+        (where a step-by-step run would admit it)."""
+        start, dt, k, decoding, context = w.jump
+        w.jump = None
+
+        def took(n: int) -> float:  # the first n steps of the run
+            return n * self.model.decode(len(decoding), context + (n - 1) / 2)
+
+        n = min(k, max(1, math.ceil((self.now - start) / dt - 1e-9)))
+        while n > 1 and start + took(n - 1) >= self.now:
+            n -= 1
+        while n < k and start + took(n) < self.now:
+            n += 1
+        if n >= k:
+            return
+        w.steps -= k - n
+        w.busy_s -= k * dt - took(n)
+        w.step_token += 1
+        self._push(start + took(n), STEP_END, (w, decoding, [], n, w.step_token))
 
     def _step_end(self, w: Worker, decoding: list[Req], chunks: list, k: int) -> None:
         w.busy = False
+        w.jump = None
         for r in decoding:
             if r.prefilled < r.need:  # preempted meanwhile (cannot happen inside a step; kept for safety)
                 continue
