@@ -60,7 +60,9 @@ def test_profile_of_the_tiny_model(tiny_llama_dir, tmp_path):
 
     (tmp_path / "profile.json").write_text(json.dumps(result))
     model = StepModel.load(tmp_path / "profile.json")
-    assert model.step(2, 32, 24) == pytest.approx(mixed[1]["step_s"])
+    # (on a tiny model a mixed step can time under the plain decode step: what prompt tokens add is never below 0)
+    decode_2 = next(p["step_s"] for p in points if p["kind"] == "decode" and p["batch"] == 2)
+    assert model.step(2, 32, 24) == pytest.approx(decode_2 + max(0.0, mixed[1]["step_s"] - decode_2))
     assert model.extra(2, 0) == 0.0
     ridge = result["peaks"]["ridge"]
     assert ridge == pytest.approx(5.0) and result["peaks"]["source"] == "flags"
