@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from ..cluster.autoscaler import Autoscaler, AutoscalerConfig, Demand
-from ..cluster.scaling import AUTOSCALE_INTERVAL_S
 from ..config import DEFAULT_AUTOSCALE_WINDOW_S
 from .sim import Req, Simulation, StepModel, WorkerConfig
 
@@ -236,6 +234,10 @@ def run_autoscaler(model, config, reqs, autoscaler: AutoscalerConfig, start_dela
     measure (tokens of the requests that arrived in the last `window_s` per second, reserved tokens waiting in the
     line, mean KV use of ready workers) and the fleet follows its answer (new workers serve after start_delay_s;
     retired ones finish what they hold)."""
+    # here, not at the top: every `inferd` command builds plan's parser, and the autoscaler's loop imports asyncio
+    from ..cluster.autoscaler import Autoscaler, Demand
+    from ..cluster.scaling import AUTOSCALE_INTERVAL_S
+
     scaler = Autoscaler(autoscaler)
     decisions = []
     state = {"i": 0, "j": 0, "tokens": 0.0}  # arrivals counted into the window: [j, i)
