@@ -30,7 +30,8 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
 from .config import DEFAULT_BATCH_CONCURRENCY, DEFAULT_EMBED_MAX_BATCH_TOKENS, DEFAULT_EMBED_MAX_WAIT_MS
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
-from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
+from .config import (DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_IDLE_PER_ADDRESS, DEFAULT_LIMIT_CONCURRENCY,
+                     DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, HTTP_KEEP_ALIVE_S, HTTP_MIN_BODY_RATE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
 
@@ -384,6 +385,8 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
                         sse_write_timeout=args.sse_write_timeout, tenant_queue_share=args.tenant_queue_share,
                         limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,
+                        http_body_timeout=args.http_body_timeout, http_idle_per_address=args.http_idle_per_address,
+                        http_keep_alive=args.http_keep_alive,
                         worker_secret=worker_secret, metrics_key=metrics_key,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args),
                         tool_call_parser=args.tool_call_parser,
@@ -625,11 +628,21 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="the most of the waiting line one tenant may hold, 0-1 (default "
                    f"{DEFAULT_TENANT_QUEUE_SHARE:g}; over it: 429 queue_share_exceeded; 1 without a keys file)")
     g.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
-                   help=f"open HTTP connections and requests; past it new ones get 503 (default "
+                   help=f"HTTP requests in progress, past it new ones get 503 (/health and /ready excepted); and "
+                   f"open connections, past it a new one closes the oldest idle one (default "
                    f"{DEFAULT_LIMIT_CONCURRENCY})")
     g.add_argument("--http-head-timeout", type=positive_float, default=NEW_CONNECTION_IDLE_TIMEOUT_S,
                    help="seconds a connection has to send a whole request head before it is closed (default "
                    f"{NEW_CONNECTION_IDLE_TIMEOUT_S:g}; slow or silent clients)")
+    g.add_argument("--http-body-timeout", type=positive_float, default=DEFAULT_HTTP_BODY_TIMEOUT_S,
+                   help=f"seconds a request body gets, plus 1 s per {HTTP_MIN_BODY_RATE >> 10} KiB received (default "
+                   f"{DEFAULT_HTTP_BODY_TIMEOUT_S:g}; past it: 408 and the connection is closed)")
+    g.add_argument("--http-keep-alive", type=positive_float, default=HTTP_KEEP_ALIVE_S,
+                   help="seconds a kept-alive connection has to send its next request head (default "
+                   f"{HTTP_KEEP_ALIVE_S:g}; keep it above the idle timeout of a load balancer in front)")
+    g.add_argument("--http-idle-per-address", type=positive_int, default=DEFAULT_HTTP_IDLE_PER_ADDRESS,
+                   help="idle connections one client address may keep open; past it its oldest idle one is closed "
+                   f"(default {DEFAULT_HTTP_IDLE_PER_ADDRESS}; a proxy in front counts as one address)")
 
 
 def _share(text: str) -> float:
@@ -656,6 +669,17 @@ def parse_queue_timeout(text: str) -> dict[str, float]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return out
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def positive_float(text: str) -> float:

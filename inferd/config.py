@@ -74,7 +74,9 @@ BATCH_RETRY_S = 1.0  # a line the service was too busy for runs again after this
 BUSY_BATCH_CONCURRENCY = 1  # batch lines started while interactive/standard requests run or wait
 BATCH_BUSY_COOLDOWN_S = 2.0  # ... and until this long after the last of them: then the batch takes the idle capacity
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
-HTTP_KEEP_ALIVE_S = 75.0  # an idle client connection is closed after this (uvicorn's default, 5 s, races clients)
+# `--http-keep-alive`: a kept-alive connection must send its next request head within this (uvicorn's default, 5 s,
+# races clients whose pools keep connections longer)
+HTTP_KEEP_ALIVE_S = 75.0
 WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that printed no READY is given up
 WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crashed worker is started again
 
@@ -112,9 +114,20 @@ DEFAULT_DASHBOARD_WINDOW_S = 300.0
 DASHBOARD_RATE_S = 10.0  # tokens/s and the like: over the last this many seconds
 DASHBOARD_TREND_S = 30.0  # each point of the latency-over-time chart: percentiles over the trailing this many seconds
 # uvicorn's limits (the API process)
-DEFAULT_LIMIT_CONCURRENCY = 4096  # `--limit-concurrency`: open connections + requests; past it new ones get 503
+# `--limit-concurrency`: requests in progress (past it: 503, /health and /ready excepted) and open connections (past
+# it a new connection closes the oldest idle one)
+DEFAULT_LIMIT_CONCURRENCY = 4096
 MAX_REQUEST_HEADER_BYTES = 64 << 10  # a request's line and headers together (h11; httptools' own bound is 80 KiB)
 NEW_CONNECTION_IDLE_TIMEOUT_S = 10.0  # a connection that sends no complete request head within this is closed
+# `--http-body-timeout`: a request body gets this many seconds, plus one per HTTP_MIN_BODY_RATE bytes received (a
+# body trickled a byte at a time held a connection, and a place under --limit-concurrency, without end): then 408
+DEFAULT_HTTP_BODY_TIMEOUT_S = 30.0
+HTTP_MIN_BODY_RATE = 64 << 10  # bytes/s: a client uploading at least this fast never hits the body deadline
+# `--http-idle-per-address`: idle connections (none of their requests in progress) one client address may keep; past
+# it its oldest idle one is closed (a proxy in front shares one address: keep it well above its connection pool)
+DEFAULT_HTTP_IDLE_PER_ADDRESS = 128
+HTTP_LINGER_S = 2.0  # a connection closed before its request body was read discards what still arrives this long
+HTTP_OVERLOAD_RETRY_AFTER_S = 1  # Retry-After of the 503 past --limit-concurrency
 KEYS_POLL_S = 1.0  # how often `inferd serve --keys FILE` looks whether the file changed (SIGHUP: at once)
 # a concurrency slot in Redis expires after this unless renewed: the gateway renews the leases of its running requests
 # every REDIS_LEASE_RENEW_S, so a gateway that died gives its slots back within REDIS_LEASE_S

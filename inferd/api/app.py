@@ -30,6 +30,7 @@ from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
 from .embeddings import EmbeddingRequest
 from .errors import REQUEST_ID, INVALID_REQUEST, APIError, install_error_handlers, invalid, new_request_id
+from .http_limits import CLOSE_AFTER_RESPONSE
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList,
                       TokenizeRequest, TokenizeResponse)
@@ -651,6 +652,8 @@ class Gatekeeper:
             if error is None and scope["method"] in ("POST", "PUT", "PATCH") and path != "/v1/files":
                 error, receive = await self._buffer_body(scope, receive)
             if error is not None:
+                if error.status == 401:  # a client without a key has no reason to keep a connection (and a place)
+                    scope[CLOSE_AFTER_RESPONSE] = True
                 await error.response()(scope, receive, send_counted)
             else:
                 await self.app(scope, receive, send_counted)

@@ -22,7 +22,8 @@ from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEF
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES,
                       DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
-                      NEW_CONNECTION_IDLE_TIMEOUT_S, REDIS_LEASE_S)
+                      NEW_CONNECTION_IDLE_TIMEOUT_S, REDIS_LEASE_S, DEFAULT_HTTP_BODY_TIMEOUT_S,
+                      DEFAULT_HTTP_IDLE_PER_ADDRESS)
 
 log = logging.getLogger("inferd.api")
 
@@ -61,6 +62,9 @@ class ServeOptions:
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     http_head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S
+    http_body_timeout: float = DEFAULT_HTTP_BODY_TIMEOUT_S
+    http_idle_per_address: int = DEFAULT_HTTP_IDLE_PER_ADDRESS
+    http_keep_alive: float = HTTP_KEEP_ALIVE_S
     worker_secret: str = ""  # shared with the workers (their handshake)
     metrics_key: str | None = None  # /metrics needs it when set
     workers: int = 1  # local worker processes (serve)
@@ -162,9 +166,12 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     metrics.embedding_passes.set_function(lambda: sum(
         w.latest_stats.num_steps for e in embeds for w in e.router.workers if w.latest_stats is not None))
     # our own drain does the graceful part; uvicorn then only flushes what is left
-    config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol_class(opts.http_head_timeout), lifespan="off",
+    # the connection cap is the protocol's (inferd/api/http_limits.py): probes pass it, idle connections make room
+    http = protocol_class(opts.http_head_timeout, limit=opts.limit_concurrency, keep_alive=opts.http_keep_alive,
+                          body_timeout=opts.http_body_timeout, idle_per_address=opts.http_idle_per_address)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, http=http, lifespan="off",
                             timeout_graceful_shutdown=FINAL_FLUSH_S, timeout_keep_alive=HTTP_KEEP_ALIVE_S,
-                            limit_concurrency=opts.limit_concurrency)
+                            limit_concurrency=None)
     server = _server_class()(config)
     stop_requested = asyncio.Event()
     server.on_first_signal = stop_requested.set
