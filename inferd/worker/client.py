@@ -334,7 +334,13 @@ class WorkerClient:
     async def _watch(self) -> None:
         period = self.heartbeat_timeout / 10
         while self._dead is None:
+            asleep = self._loop.time()
             await asyncio.sleep(period)
+            if self._loop.time() - asleep > 2 * period:
+                # this process's own event loop was stalled: the worker's frames of that time may wait unread in
+                # the socket (a loop turn runs its due timers before it polls the sockets), so the silence may be
+                # ours. Judge once they are read, a period from now: a dead worker is still found then
+                continue
             silent = self._loop.time() - self._last_seen
             if silent > self.heartbeat_timeout:
                 reason = f"no frame from the worker for {silent:.2f} s (heartbeat timeout {self.heartbeat_timeout} s)"

@@ -381,6 +381,47 @@ def test_a_long_step_never_looks_like_death_but_a_hung_worker_does(spawn_worker)
     assert timeout - 0.5 <= hung_seconds < timeout + 2.0
 
 
+def test_a_stall_of_our_own_event_loop_is_not_the_workers_silence(worker):
+    """The gateway's event loop blocked for 2.5x the heartbeat timeout (as a big input parsed on it once did): the
+    worker's heartbeats of that time wait unread in the socket, so it is not declared dead, and serves a request at
+    once. Under uvloop (what `inferd serve` runs), whose due timers run before the sockets are polled: the watchdog
+    used to wake first and count the stall as the worker's silence. A worker that is really silent is still found
+    (test_a_long_step_never_looks_like_death_but_a_hung_worker_does)."""
+    import uvloop
+
+    timeout = 1.0
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with await WorkerClient.connect(worker.host, worker.port, heartbeat_timeout=timeout) as client:
+            await client.next_heartbeat()
+            # the stall, in an I/O callback (as an HTTP body parsed where it arrives): the sockets were polled just
+            # before it, and the next loop turn runs the due timers before it polls them again
+            readable, writable = os.pipe()
+            stalled = loop.create_future()
+
+            def stall() -> None:
+                os.read(readable, 1)
+                loop.remove_reader(readable)
+                time.sleep(2.5 * timeout)  # nothing runs on this loop meanwhile
+                stalled.set_result(None)
+
+            loop.add_reader(readable, stall)
+            os.write(writable, b"x")
+            await stalled
+            os.close(readable)
+            os.close(writable)
+            await asyncio.sleep(timeout / 2)  # the watchdog has woken (late) by now
+            alive = client.dead is None
+            outs = await asyncio.wait_for(collect(client, "after-stall", [1, 2, 3], greedy(3)), 30)
+            return alive, outs
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        alive, outs = runner.run(main())
+    assert alive, "the worker was declared dead for the gateway's own stall"
+    assert outs[-1].finished and outs[-1].num_output_tokens == 3
+
+
 async def record_heartbeats(client: WorkerClient, arrivals: list) -> None:
     """Appends (arrival time, stats) for every heartbeat, until cancelled."""
     loop = asyncio.get_running_loop()
