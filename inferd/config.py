@@ -63,6 +63,9 @@ GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's 
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 DEFAULT_EMBED_MAX_WAIT_MS = 5.0  # `--embed-max-wait-ms`: how long the oldest input waits for others to batch with
 DEFAULT_EMBED_MAX_BATCH_TOKENS = 8192  # `--embed-max-batch-tokens`: tokens one embedding step takes at most
+# an embedding input of more characters than max_model_len x this is refused before it is tokenized: it cannot fit
+# (a token of more characters is rare outside runs of one symbol)
+EMBED_MAX_CHARS_PER_TOKEN = 16
 # the Batch API (inferd/api/batches.py)
 MAX_FILE_BYTES = 200 << 20  # an uploaded file (OpenAI's limit for batch input: 200 MB)
 MAX_FILES_PER_TENANT = 1000  # files a tenant may keep (outputs included); delete to make room

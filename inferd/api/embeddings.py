@@ -7,11 +7,13 @@ import asyncio
 import base64
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..config import MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, MAX_REPLAYS_PER_REQUEST
+from ..config import (EMBED_MAX_CHARS_PER_TOKEN, MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, MAX_REPLAYS_PER_REQUEST,
+                      TOKENIZE_INLINE_MAX_CHARS, TOKENIZE_THREADS)
 from ..engine.request import SamplingParams
 from ..worker.client import WorkerUnavailable
 from .errors import APIError, invalid
@@ -39,8 +41,12 @@ class EmbeddingService:
         self.encode = encode  # text -> token ids: the embedding model's own tokenizer (engine/embedding.py)
         self.model_name = model_name
         self.num_requests = 0
+        self._tokenize_pool: ThreadPoolExecutor | None = None
 
-    def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+    async def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+        """The inputs as token ids, checked against the model. Texts too long to ever fit are refused before they
+        are tokenized, and long ones are tokenized off the event loop (4 concurrent 8 MB requests stalled it ~4 s,
+        long enough for the workers to be declared dead)."""
         hello = self.router.hello
         if hello is None:
             raise APIError(503, f"no embedding worker is available: {self.router.not_ready_reason}",
@@ -55,11 +61,21 @@ class EmbeddingService:
         else:
             texts, ids = None, [list(x) for x in raw]
         if texts is not None:
-            if any(not t for t in texts):
-                raise invalid("an input is empty", param="input")
-            if sum(len(t) for t in texts) > MAX_EMBEDDING_INPUTS * hello.max_model_len * 16:
-                raise invalid("the inputs are too long", param="input")
-            ids = [self.encode(t) for t in texts]
+            longest = hello.max_model_len * EMBED_MAX_CHARS_PER_TOKEN
+            for i, text in enumerate(texts):
+                if not text:
+                    raise invalid("an input is empty", param="input")
+                if len(text) > longest:
+                    raise invalid(f"input {i} has {len(text)} characters, more than this model's maximum context "
+                                  f"length of {hello.max_model_len} tokens can hold", param="input",
+                                  code="context_length_exceeded")
+            if sum(len(t) for t in texts) <= TOKENIZE_INLINE_MAX_CHARS:
+                ids = [self.encode(t) for t in texts]
+            else:
+                if self._tokenize_pool is None:
+                    self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inferd-embed-tok")
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, lambda: [self.encode(t) for t in texts])
         for i, x in enumerate(ids):
             if len(x) > hello.max_model_len:
                 raise invalid(f"input {i} has {len(x)} tokens; this model's maximum context length is "
@@ -74,7 +90,7 @@ class EmbeddingService:
         return ids
 
     async def create(self, req: EmbeddingRequest, tenant, band: int, queue_timeout, cache_salt: str) -> dict:
-        ids = self.inputs(req)
+        ids = await self.inputs(req)
         tokens = sum(len(x) for x in ids)
         ticket = await self.gateway.admit(tenant, band, tokens, tokens, queue_timeout, prompt=None,
                                           num_seqs=len(ids), cache_salt=cache_salt)

@@ -217,3 +217,31 @@ def test_a_client_that_disconnects_mid_request_aborts_its_inputs(server, client)
     # aborted, not run: the passes stop long before 1,000 long inputs (~30 of them fit a pass) could be done
     assert _settled_passes(server) - passes < 1000 / 30
     assert client.embeddings.create(model="all-MiniLM-L6-v2", input="after").data
+
+
+def test_big_inputs_are_tokenized_off_the_event_loop(server):
+    """4 concurrent requests of ~8 MB each (2,000 inputs of 4,000 characters: under the characters-per-token bound,
+    so each is tokenized, then refused for its token count). The event loop keeps answering /health meanwhile: they
+    used to be tokenized on it, stalling it for seconds (long enough to have healthy workers declared dead). An input
+    too long to ever fit is refused before it is tokenized."""
+    big = {"model": "all-MiniLM-L6-v2", "input": [f"{i} " + "word " * 800 for i in range(2000)]}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            posts = [asyncio.ensure_future(c.post(server.url + "/v1/embeddings", json=big)) for _ in range(4)]
+            worst = 0.0
+            while not all(p.done() for p in posts):
+                start = time.monotonic()
+                assert (await c.get(server.url + "/health")).status_code == 200
+                worst = max(worst, time.monotonic() - start)
+                await asyncio.sleep(0.02)
+            return [p.result() for p in posts], worst
+
+    answers, worst = asyncio.run(run())
+    for r in answers:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "tokens" in r.json()["error"]["message"]  # tokenized, then refused for its length
+    assert worst < 1.0, f"/health waited {worst:.2f} s while big inputs were tokenized"
+    huge = httpx.post(server.url + "/v1/embeddings", timeout=60,
+                      json={"model": "all-MiniLM-L6-v2", "input": "word " * 1_000_000})
+    assert huge.status_code == 400 and "characters" in huge.json()["error"]["message"], huge.text
