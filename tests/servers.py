@@ -26,6 +26,7 @@ class Server:
     api_key: str | None
     log_path: Path
     args: list[str] = field(default_factory=list)
+    metrics_key: str | None = None  # sent by metrics(): per-tenant series need it on a server with API keys
 
     @property
     def headers(self) -> dict[str, str]:
@@ -44,6 +45,8 @@ class Server:
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """/metrics as {'name{labels}': value} (headers: e.g. the metrics key's)."""
+        if headers is None and self.metrics_key is not None:
+            headers = {"Authorization": f"Bearer {self.metrics_key}"}
         text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         out = {}
         for line in text.splitlines():
@@ -116,8 +119,10 @@ def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key:
         args += ["--model", str(model)]
     if api_key:
         args += ["--api-key", api_key]
+    # what metrics() sends: per-tenant series need the metrics key on a server with API keys
+    metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args else None
     proc, address = start_ready([sys.executable, "-m", "inferd", command, *args], log_path, "READY http://", env)
-    return Server(proc, "http://" + address, model_name, api_key, log_path, args)
+    return Server(proc, "http://" + address, model_name, api_key, log_path, args, metrics_key)
 
 
 def process_gone(pid: int) -> bool:

@@ -207,29 +207,30 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(tenants=request.scope[TENANT_DETAIL]), media_type=CONTENT_TYPE_LATEST)
 
-    from .dashboard import Dashboard, page_html
+    from .dashboard import Dashboard, page_html, page_policy
 
+    page = page_html()
+    policy = page_policy(page)
     if state.dashboard is None:
         state.dashboard = Dashboard(state)
         state.dashboard.sample()  # before any request: the growth of a histogram since then is all of it
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> Response:
-        # the page reads only this server (connect-src 'self') and loads nothing from anywhere
-        return Response(page_html(), media_type="text/html; charset=utf-8", headers={
-            "Cache-Control": "no-store",
-            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                       "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"})
+        return Response(page, media_type="text/html; charset=utf-8", headers={
+            "Cache-Control": "no-store", "Content-Security-Policy": policy, "X-Frame-Options": "DENY",
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
     @app.get("/dashboard/data", include_in_schema=False)
-    async def dashboard_data(window: float = DEFAULT_DASHBOARD_WINDOW_S) -> Response:
+    async def dashboard_data(request: Request, window: float = DEFAULT_DASHBOARD_WINDOW_S) -> Response:
         if not 0 < window <= max(DASHBOARD_WINDOWS_S):
             raise invalid(f"window must be in (0, {max(DASHBOARD_WINDOWS_S):g}] seconds, got {window:g}",
                           param="window")
-        return Response(json.dumps(_finite(state.dashboard.view(window)), separators=(",", ":")),
+        view = state.dashboard.view(window, tenants=request.scope[TENANT_DETAIL])
+        return Response(json.dumps(_finite(view), separators=(",", ":")),
                         media_type="application/json", headers={"Cache-Control": "no-store"})
 
     @app.get("/admin/workers", include_in_schema=False)
@@ -663,21 +664,22 @@ class Gatekeeper:
     def _check_key(self, scope, path: str) -> APIError | None:
         """Resolves the request's key to its tenant (scope[TENANT]); a 401 when the key is missing or refused."""
         state = self.state
-        if path in ("/metrics", "/dashboard/data") and state.metrics_key is not None:
-            if not _bearer_matches(scope, state.metrics_key):
+        if path in ("/metrics", "/dashboard/data"):
+            # aggregates are open unless --metrics-key is set; who the tenants are and what they use is not: it
+            # needs the metrics or the admin key (on a server without API keys, loopback clients all see it)
+            keyed = any(key is not None and _bearer_matches(scope, key) for key in (state.metrics_key,
+                                                                                  state.admin_key))
+            if state.metrics_key is not None and not keyed:
                 return _unauthorized(f"{path} needs the metrics key: 'Authorization: Bearer METRICS_KEY'")
+            scope[TENANT_DETAIL] = keyed or not state.authenticates
+            if not state.authenticates:
+                return self._check_loopback_host(scope)
             return None
         if path.startswith("/admin/"):
             return self._check_admin_key(scope)
         if not state.authenticates:
-            # no keys: loopback clients only, so a browser page whose name resolves to 127.0.0.1 (DNS rebinding)
-            # must not reach it: its requests carry that name as Host
-            host = _host_name(scope)
-            if host is not None and not _loopback_name(host):
-                return APIError(403, f"this server has no API keys and serves loopback clients only; the Host "
-                                f"{host!r} is not a loopback name", "permission_error", code="host_not_allowed")
             scope[TENANT] = _ANONYMOUS
-            return None
+            return self._check_loopback_host(scope)
         if path in _PUBLIC_PATHS:
             return None
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
@@ -694,6 +696,16 @@ class Gatekeeper:
             scope[TENANT] = state.keys.authenticate(given)
         except AuthError as e:
             return _unauthorized(str(e))
+        return None
+
+    @staticmethod
+    def _check_loopback_host(scope) -> APIError | None:
+        """No keys: loopback clients only, so a browser page whose name resolves to 127.0.0.1 (DNS rebinding) must
+        not reach it: its requests carry that name as Host."""
+        host = _host_name(scope)
+        if host is not None and not _loopback_name(host):
+            return APIError(403, f"this server has no API keys and serves loopback clients only; the Host "
+                            f"{host!r} is not a loopback name", "permission_error", code="host_not_allowed")
         return None
 
     def _check_admin_key(self, scope) -> APIError | None:
@@ -729,6 +741,7 @@ class Gatekeeper:
 
 
 _ANONYMOUS = Tenant(ANONYMOUS)
+TENANT_DETAIL = "inferd.tenant_detail"  # a scope key: this request may see per-tenant metrics
 
 
 def _bearer_matches(scope, key: str) -> bool:

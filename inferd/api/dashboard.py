@@ -14,8 +14,11 @@ parsed once when the sample is taken.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import bisect
 import math
+import re
 import time
 from collections import deque
 from importlib import resources
@@ -147,11 +150,14 @@ class Dashboard:
         """The latest sample taken at or before t (the oldest one when none is that old)."""
         return self.history[max(0, bisect.bisect_right(times, t) - 1)]
 
-    def view(self, window_s: float = DEFAULT_DASHBOARD_WINDOW_S) -> dict:
+    def view(self, window_s: float = DEFAULT_DASHBOARD_WINDOW_S, tenants: bool = True) -> dict:
+        """tenants=False: without any per-tenant figure (as /metrics without a key)."""
         state = self.state
         t = self.clock()
         current = read_registry(state.metrics.registry)
         now = _summary(current)
+        if not tenants:
+            current = {k: v for k, v in current.items() if 'tenant="' not in k}
         times = [e[0] for e in self.history]
         base_t, base = self._base(t - window_s, times)
         rate_t, rate_base = self._base(t - DASHBOARD_RATE_S, times)
@@ -183,7 +189,8 @@ class Dashboard:
             "quota_window_s": quota_window,
             # tokens charged to each tenant within its quota's window (--rate-window), to set against its tpm
             "tenant_tokens_in_quota_window": {k: v - quota_base["tenant_tokens"].get(k, 0.0)
-                                              for k, v in now["tenant_tokens"].items()},
+                                              for k, v in now["tenant_tokens"].items()} if tenants else {},
+            "tenants_visible": tenants,
             "series": self._series(t, window_s, now, times),
             "autoscaler": None if autoscaler is None else {
                 "desired": autoscaler.desired, "need": autoscaler.need, "target": autoscaler.target,
@@ -227,3 +234,14 @@ def _rollout(rollout) -> dict:
 
 def page_html() -> str:
     return resources.files("inferd.api").joinpath("dashboard.html").read_text()
+
+
+def page_policy(html: str) -> str:
+    """The page's Content-Security-Policy: it reads only this server, loads nothing, runs only its own script and
+    style (by their hashes, not 'unsafe-inline': an injected <script> would not run) and cannot be framed."""
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; connect-src 'self'; "
+            "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

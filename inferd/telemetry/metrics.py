@@ -119,9 +119,10 @@ class Metrics:
             self.registry.register(_GatewayCollector(lambda: self._gateway))
         self._gateway = gateway
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
+    def render(self, tenants: bool = True) -> bytes:
+        """The exposition text; tenants=False leaves out every series labelled by tenant (who the tenants are,
+        their tiers, quotas and usage), for whoever has no key to see them."""
+        return generate_latest(self.registry if tenants else _WithoutTenants(self.registry))
 
     def observe_step(self, hello, seconds: float, nbytes: int, flops: int, drafted: int = 0,
                      accepted: int = 0) -> None:
@@ -303,3 +304,17 @@ class _WorkerCollector:
                                   "sent the prompt's prefix before", value=chosen)
         yield CounterMetricFamily("inferd_router_prefix_affinity_queries", "Dispatches of prompts of at least one "
                                   "full KV block", value=asked)
+
+
+class _WithoutTenants:
+    """A registry's view without its per-tenant series (what generate_latest reads: collect())."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if "tenant" not in s.labels]
+            if samples:
+                family.samples = samples
+                yield family

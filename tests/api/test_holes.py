@@ -52,6 +52,9 @@ def test_metrics_need_the_metrics_key(keyed):
     assert httpx.get(keyed.url + "/metrics", headers=bearer(keyed.keys["a"])).status_code == 401
     r = httpx.get(keyed.url + "/metrics", headers=bearer(METRICS_KEY))
     assert r.status_code == 200 and "inferd_requests_total" in r.text
+    assert 'inferd_tenant_tokens_total{tenant="a"}' in r.text or "inferd_tenant_tier" in r.text
+    admin = httpx.get(keyed.url + "/metrics", headers=bearer("an-admin-key-of-the-api"))  # the admin key opens it too
+    assert admin.status_code == 200 and "inferd_tenant_tier" in admin.text
     assert httpx.get(keyed.url + "/health").status_code == 200  # still open
 
 

@@ -27,6 +27,7 @@ def _start(request, tmp_path_factory, tiny_llama_dir, extra: list[str], env: dic
     folder = tmp_path_factory.mktemp(f"release-{request.param}")
     keys = make_keys(folder / "keys.json", {TENANT: {"max_concurrency": 16, "tpm": 100_000_000}})
     extra = ["--echo", "--heartbeat-interval", "0.1", "--sse-write-timeout", "2", "--keys", str(folder / "keys.json"),
+             "--metrics-key", "release-metrics-key",
              *extra]
     redis = None
     if request.param == "redis":
