@@ -30,7 +30,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
 from .config import DEFAULT_BATCH_CONCURRENCY, DEFAULT_EMBED_MAX_BATCH_TOKENS, DEFAULT_EMBED_MAX_WAIT_MS
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
-from .config import DEFAULT_WORKER_ALLOW
+from .config import DEFAULT_WORKER_ALLOW, REDIS_PASSWORD_ENV
 from .config import (DEFAULT_LIMIT_CONCURRENCY, DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
 from .gateway.line import POLICIES
@@ -434,6 +434,30 @@ def read_worker_secret(args: argparse.Namespace) -> str:
     """--worker-secret, else --worker-secret-file, else $INFERD_WORKER_SECRET, else "" (none); ValueError as
     read_key."""
     return read_key(args, "worker_secret", WORKER_SECRET_ENV) or ""
+
+
+def add_redis_password(args: argparse.Namespace) -> None:
+    """$INFERD_REDIS_PASSWORD (a Redis with requirepass, e.g. from a Kubernetes Secret) goes into the --redis and
+    --register URLs that carry no password: it stays out of argv, and every Redis client inferd makes gets it."""
+    password = os.environ.get(REDIS_PASSWORD_ENV)
+    if not password:
+        return
+    for name in ("redis", "register"):
+        url = getattr(args, name, None)
+        if url:
+            setattr(args, name, redis_url_with_password(url, password))
+
+
+def redis_url_with_password(url: str, password: str) -> str:
+    """redis[s]://[USER@]HOST... -> redis[s]://[USER]:PASSWORD@HOST... (quoted; redis-py unquotes it). A URL that
+    has a password, or of another scheme, is returned as it is."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or parts.password is not None:
+        return url
+    user, _, hostport = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
 
 
 def worker_allow(text: str):
@@ -928,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(func=cmd_worker)
 
     args = parser.parse_args(argv)
+    add_redis_password(args)
     return args.func(args)
 
 

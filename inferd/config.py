@@ -50,7 +50,9 @@ SEAL_REKEY_BYTES = 1 << 32
 DEFAULT_WORKER_ALLOW = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
                         "fc00::/7")
 WORKER_SECRET_ENV = "INFERD_WORKER_SECRET"  # the shared secret of workers and gateways (or --worker-secret[-file])
-CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY")  # never passed on to workers
+REDIS_PASSWORD_ENV = "INFERD_REDIS_PASSWORD"  # goes into every --redis / --register URL that carries no password
+# never passed on to serve's own workers (they use no Redis)
+CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY", REDIS_PASSWORD_ENV)
 MAX_HELLO_STRING = 256  # the longest worker id, model name or version a worker may announce
 
 # the API server (inferd/api)

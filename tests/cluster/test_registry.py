@@ -18,7 +18,7 @@ from cluster_util import versions, wait_for
 import redis
 import redis.asyncio as aioredis
 from remote_workers import start_worker
-from servers import kill_group
+from servers import free_port, kill_group, kill_redis, start_redis
 
 from inferd.config import MAX_HELLO_STRING
 from inferd.worker.registry import KEY_PREFIX, discover
@@ -194,3 +194,30 @@ def test_the_default_worker_allow_list_is_loopback_and_private_ranges():
     for bad in ("10.0.0.0/8,nowhere", "", " , "):
         with pytest.raises(ValueError, match="--worker-allow"):
             parse_allow(bad)
+
+
+def test_a_redis_with_a_password_gets_it_from_the_environment(cluster, tiny_llama_dir, tmp_path):
+    """deploy/k8s runs Redis with requirepass: $INFERD_REDIS_PASSWORD (from a Secret) goes into every Redis URL that
+    carries none, worker --register and gateway --redis (quotas and discovery), and never onto the command line."""
+    password = "p@ss:w/rd %1"  # characters a URL must quote
+    port = free_port()
+    redis_proc = start_redis(tmp_path, port, password=password)
+    url = f"redis://127.0.0.1:{port}/0"
+    env = {"INFERD_REDIS_PASSWORD": password}
+    worker = None
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()  # nothing gets in without it
+        worker = start_worker(tmp_path, tiny_llama_dir, "pw-worker", "--register", url, "--echo", env=env)
+        gateway = cluster("--redis", url, env=env, command="gateway", name="pw-gateway")
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "pw-worker"
+        assert redis.Redis.from_url(url, password=password).keys("inferd:worker:*") == [b"inferd:worker:pw-worker"]
+        for pid in (worker.pid, gateway.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert password.encode() not in f.read()
+    finally:
+        if worker is not None:
+            kill_group(worker.proc)
+        kill_redis(redis_proc)
