@@ -177,7 +177,7 @@ class WorkerServer:
         with self._conns_lock:
             evicted = self._make_room(conn.peer)
             self._pending[conn] = None
-        if evicted is not None:  # a flood: it pushes out its own oldest connections, never a new one
+        if evicted is not None:  # a flood: the oldest pending handshake makes room, never a new connection
             evicted.close()  # wakes its thread, which ends the handshake as failed
             self.num_evicted += 1
             if (self.num_evicted & (self.num_evicted - 1)) == 0:  # logged at 1, 2, 4, ...: floods no log
@@ -218,8 +218,9 @@ class WorkerServer:
         self._read(conn)
 
     def _handshake(self, conn: Connection) -> bool:
-        """challenge -> auth (checked) -> hello, the first sealed frame. False (nothing sent after the challenge) when the client does not answer in
-        time (the whole frame, however it trickles in), answers anything else or more than an auth message, or does not know the secret."""
+        """challenge -> auth (checked) -> hello, the first sealed frame. False (nothing sent after the challenge)
+        when the client does not answer in time (the whole frame, however it trickles in), answers anything else or
+        more than an auth message, or does not know the secret."""
         nonce = new_nonce()
         conn.send(challenge_message(nonce))
         message, problem = None, None  # None and no message: it closed the connection without a word

@@ -88,3 +88,21 @@ def test_a_relay_cannot_alter_a_stream(spawn_worker, direction, how):
     else:  # the worker did, and closed the connection
         assert "lost" in reason or "integrity" in reason
         assert "failed its integrity check" in proc.log()
+
+
+def test_a_relay_cannot_alter_the_hello(spawn_worker):
+    """What the worker announces (model, context, stop tokens) is bound to the connection: a hello with one bit
+    flipped is refused as a failed authentication, and nothing is attached."""
+    proc = start(spawn_worker)
+
+    def tamper(frame: Frame) -> bytes:
+        hello = frame.direction == TO_CLIENT and frame.index == 1
+        return flip_a_bit(frame.payload) if hello else frame.payload
+
+    async def main():
+        with pytest.raises(WorkerDead, match="failed authentication"):
+            await WorkerClient.connect(relay.host, relay.port, secret=SECRET.encode())
+
+    with Relay((proc.host, proc.port), tamper) as relay:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert relay.num_tampered == 1
