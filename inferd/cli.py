@@ -30,6 +30,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
 from .config import DEFAULT_BATCH_CONCURRENCY, DEFAULT_EMBED_MAX_BATCH_TOKENS, DEFAULT_EMBED_MAX_WAIT_MS
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
+from .config import DEFAULT_WORKER_ALLOW, REDIS_PASSWORD_ENV
 from .config import (DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_IDLE_PER_ADDRESS, DEFAULT_LIMIT_CONCURRENCY,
                      DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, HTTP_KEEP_ALIVE_S, HTTP_MIN_BODY_RATE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
@@ -315,7 +316,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return 2
     return _run_server(args, model_path, worker_args=[], remote_workers=args.worker,
                        registry_url=args.redis, embedding_models=embedding,
-                       embedding_workers=args.embedding_worker)
+                       embedding_workers=args.embedding_worker, worker_allow=args.worker_allow)
 
 
 def read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
@@ -436,6 +437,39 @@ def read_worker_secret(args: argparse.Namespace) -> str:
     """--worker-secret, else --worker-secret-file, else $INFERD_WORKER_SECRET, else "" (none); ValueError as
     read_key."""
     return read_key(args, "worker_secret", WORKER_SECRET_ENV) or ""
+
+
+def add_redis_password(args: argparse.Namespace) -> None:
+    """$INFERD_REDIS_PASSWORD (a Redis with requirepass, e.g. from a Kubernetes Secret) goes into the --redis and
+    --register URLs that carry no password: it stays out of argv, and every Redis client inferd makes gets it."""
+    password = os.environ.get(REDIS_PASSWORD_ENV)
+    if not password:
+        return
+    for name in ("redis", "register"):
+        url = getattr(args, name, None)
+        if url:
+            setattr(args, name, redis_url_with_password(url, password))
+
+
+def redis_url_with_password(url: str, password: str) -> str:
+    """redis[s]://[USER@]HOST... -> redis[s]://[USER]:PASSWORD@HOST... (quoted; redis-py unquotes it). A URL that
+    has a password, or of another scheme, is returned as it is."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or parts.password is not None:
+        return url
+    user, _, hostport = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
+
+
+def worker_allow(text: str):
+    from .cluster.remote import parse_allow
+
+    try:
+        return parse_allow(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -827,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     add_embedding_model_arg(gw, remote=True)
     gw.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
                     help="an embedding worker of the (one) --embedding-model to connect to (repeat for several)")
+    gw.add_argument("--worker-allow", type=worker_allow, default=",".join(DEFAULT_WORKER_ALLOW), metavar="CIDR,...",
+                    help="with --redis: the networks a registered worker's address must be in, or it is never "
+                    "connected to (default: loopback and private ranges; not link-local or public addresses)")
     gw.set_defaults(func=cmd_gateway)
 
     ro = sub.add_parser("rollout", help="roll a new model version out on a running server (admin API)")
@@ -939,6 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(func=cmd_worker)
 
     args = parser.parse_args(argv)
+    add_redis_password(args)
     return args.func(args)
 
 

@@ -35,11 +35,24 @@ DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a clien
 # a new connection to a worker must finish the challenge-response handshake within this, or it is closed
 WORKER_HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKE_FRAME_BYTES = 1024  # an `auth` message is ~200 bytes: nobody unauthenticated makes a worker buffer more
-# connections still in their handshake at once; more are closed at once (a connection flood costs a worker this many
-# threads at most, each for WORKER_HANDSHAKE_TIMEOUT_S at most)
+# connections still in their handshake at once (a connection flood costs a worker this many threads at most, each for
+# WORKER_HANDSHAKE_TIMEOUT_S at most)...
 MAX_PENDING_HANDSHAKES = 64
+# ... of which one peer address may hold this many (beyond it, or beyond the total, the oldest pending handshake is
+# closed to make room: to keep a gateway out, a flood would have to close its handshake, one round trip, before it ends)
+MAX_PENDING_HANDSHAKES_PER_ADDRESS = 8
+# after the handshake every frame is sealed (AES-GCM, inferd/worker/sealing.py); each direction's key is ratcheted
+# after sealing this many bytes, far under GCM's bound for one key (TLS 1.3 allows ~2^38 bytes)
+SEAL_REKEY_BYTES = 1 << 32
+# where a gateway may connect to a worker found in the Redis registry (--worker-allow): loopback and the private
+# ranges a cluster's pods use. Not link-local (cloud metadata endpoints) nor public addresses: a forged registration
+# cannot point a gateway at them
+DEFAULT_WORKER_ALLOW = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                        "fc00::/7")
 WORKER_SECRET_ENV = "INFERD_WORKER_SECRET"  # the shared secret of workers and gateways (or --worker-secret[-file])
-CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY")  # never passed on to workers
+REDIS_PASSWORD_ENV = "INFERD_REDIS_PASSWORD"  # goes into every --redis / --register URL that carries no password
+# never passed on to serve's own workers (they use no Redis)
+CLIENT_SECRET_ENVS = ("INFERD_API_KEY", "INFERD_ADMIN_KEY", "INFERD_METRICS_KEY", REDIS_PASSWORD_ENV)
 MAX_HELLO_STRING = 256  # the longest worker id, model name or version a worker may announce
 
 # the API server (inferd/api)

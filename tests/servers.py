@@ -202,9 +202,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(folder: Path, port: int):
+def start_redis(folder: Path, port: int, password: str | None = None):
     """A real `redis-server` on a loopback port, without persistence, in its own process group (kill_redis kills it
-    whole), ready (it answers PING). The Makefile installs Debian's redis-server where it is missing."""
+    whole), ready (it answers PING). The Makefile installs Debian's redis-server where it is missing. password:
+    requirepass (what deploy/k8s runs)."""
     import shutil
     import socket
     import subprocess
@@ -215,14 +216,20 @@ def start_redis(folder: Path, port: int):
         raise RuntimeError("redis-server is not on PATH (`make setup` installs it: apt-get install redis-server)")
     log = folder / f"redis-{port}.log"
     with open(log, "wb") as out:  # a file, not a pipe: a full pipe nobody reads would block the server
+        auth = ["--requirepass", password] if password else []
         proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
-                                 "--dir", str(folder)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                 "--dir", str(folder), *auth], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
     while True:  # ready when it answers PING (a raw RESP exchange: no client needed here)
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {proc.returncode}: {log.read_text(errors='replace')}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1.0) as c:
+                if password:  # RESP: the password as a bulk string (any bytes)
+                    c.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(password.encode()), password.encode()))
+                    if not c.recv(64).startswith(b"+OK"):
+                        raise OSError("not ready")
                 c.sendall(b"PING\r\n")
                 if c.recv(64).startswith(b"+PONG"):
                     return proc

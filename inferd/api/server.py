@@ -70,6 +70,7 @@ class ServeOptions:
     workers: int = 1  # local worker processes (serve)
     remote_workers: list[str] = field(default_factory=list)  # HOST:PORT of remote workers (gateway)
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
+    worker_allow: tuple | None = None  # networks a registered worker's address must be in (None: the default list)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
@@ -258,7 +259,7 @@ class _EmbeddingBackend:
             self.pool = None
             self.remote = RemoteWorkers(self.router, opts.embedding_workers, opts.registry_url,
                                         opts.heartbeat_timeout, None, secret=opts.worker_secret.encode(),
-                                        model=spec.name, task="embed")
+                                        model=spec.name, task="embed", **_allow(opts))
 
     async def start(self, state) -> None:
         from ..engine.embedding import embedding_tokenizer
@@ -330,6 +331,11 @@ async def _drain(state, backend, grace: float) -> None:
 DRAIN_POLL_S = 0.05
 
 
+def _allow(opts: ServeOptions) -> dict:
+    """RemoteWorkers' allow list: --worker-allow, else its default."""
+    return {} if opts.worker_allow is None else {"allow": opts.worker_allow}
+
+
 def _backend(opts: ServeOptions, router, on_attach):
     if opts.remote:
         from ..cluster.remote import RemoteWorkers
@@ -338,7 +344,8 @@ def _backend(opts: ServeOptions, router, on_attach):
         return RemoteBackend(RemoteWorkers(router, opts.remote_workers, opts.registry_url, opts.heartbeat_timeout,
                                            on_attach, secret=opts.worker_secret.encode(),
                                            model=default_served_name(opts.model_path), task="generate",
-                                           known_models={spec.name for spec in opts.embedding_models}))
+                                           known_models={spec.name for spec in opts.embedding_models},
+                                           **_allow(opts)))
     from ..cluster.pool import WorkerPool
 
     return LocalBackend(WorkerPool(router, lambda version: opts.worker_args, opts.heartbeat_timeout, on_attach,

@@ -6,17 +6,21 @@ refuses us, or announces another model than the one this gateway serves), attach
 reconnects (backing off again) when the connection dies. Nobody here can kill a remote worker, so a silent one is
 given up (its streams move) but its connection is kept: if it speaks again it takes work again and whatever it still
 sends for the given-up streams is dropped by epoch (see WorkerClient). Registry entries announcing another model are
-not even connected to.
+not even connected to, and neither are those whose address is outside --worker-allow (resolved once, off the event
+loop; the worker is then reached at the address that was checked): whoever can write to Redis cannot point a gateway
+at any host it likes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 
-from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, WORKER_DISCOVERY_POLL_S, WORKER_RECONNECT_BACKOFF_S,
-                      WORKER_STABLE_CONNECTION_S)
+from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_WORKER_ALLOW, WORKER_DISCOVERY_POLL_S,
+                      WORKER_RECONNECT_BACKOFF_S, WORKER_STABLE_CONNECTION_S)
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 
@@ -29,6 +33,45 @@ def parse_address(text: str, allow_any_port: bool = False) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not (0 if allow_any_port else 1) <= int(port) < 65536:
         raise ValueError(f"a worker address must be HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_allow(text: str) -> tuple[Network, ...]:
+    """--worker-allow: comma-separated CIDRs or addresses (10.0.0.0/8,fd00::/8,192.0.2.7). ValueError otherwise."""
+    networks = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+        except ValueError:
+            raise ValueError(f"--worker-allow takes CIDRs or IP addresses, got {item!r}") from None
+    if not networks:
+        raise ValueError("--worker-allow is empty: give the networks the workers are in")
+    return tuple(networks)
+
+
+DEFAULT_ALLOW = parse_allow(",".join(DEFAULT_WORKER_ALLOW))
+
+
+def allowed(address: str, networks: tuple[Network, ...]) -> bool:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:10.1.2.3 is 10.1.2.3
+    return any(ip.version == net.version and ip in net for net in networks)
+
+
+async def resolve_allowed(host: str, networks: tuple[Network, ...]) -> tuple[str | None, str]:
+    """(the IP to connect to, "") when every address host resolves to is in networks; (None, why) otherwise.
+    OSError when it does not resolve (now: try again later)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    ips = list(dict.fromkeys(info[4][0] for info in infos))
+    outside = [ip for ip in ips if not allowed(ip, networks)]
+    if outside or not ips:
+        return None, f"{', '.join(outside) or host} is outside --worker-allow"
+    return ips[0], ""
 
 
 class Backoff:
@@ -50,14 +93,18 @@ class Backoff:
 
 class RemoteWorker:
     def __init__(self, address: str, router: Router, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 on_attach=None, secret: bytes = b"", model: str | None = None, task: str | None = None):
+                 on_attach=None, secret: bytes = b"", model: str | None = None, task: str | None = None,
+                 connect_host: str | None = None):
         """model: the name a worker must announce to be attached (the model this gateway serves); None: any.
-        task: the task it must announce (generate | embed); None: any."""
+        task: the task it must announce (generate | embed); None: any. connect_host: the IP to reach it at (the one
+        the allow list checked), instead of resolving address's host again."""
         self.address = address
         self.secret = secret
         self.model = model
         self.task = task
         self.host, self.port = parse_address(address)
+        if connect_host is not None:
+            self.host = connect_host
         self.router = router
         self.heartbeat_timeout = heartbeat_timeout
         self.on_attach = on_attach
@@ -129,11 +176,16 @@ class RemoteWorkers:
 
     def __init__(self, router: Router, addresses: list[str], registry_url: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, on_attach=None, secret: bytes = b"",
-                 model: str | None = None, task: str | None = None, known_models: set[str] = frozenset()):
+                 model: str | None = None, task: str | None = None, known_models: set[str] = frozenset(),
+                 allow: tuple[Network, ...] = DEFAULT_ALLOW):
         """model: the model this gateway serves: a worker announcing another one is not attached (None: any).
         task: the task its workers must announce. known_models: other models this gateway serves through other
-        RemoteWorkers (their registered workers are not ours, and not worth a log line)."""
+        RemoteWorkers (their registered workers are not ours, and not worth a log line). allow: the networks a
+        registered worker's address must be in (--worker-allow; the --worker addresses are the operator's own)."""
         self.router = router
+        self.allow = allow
+        self._refused: set[str] = set()  # registered addresses outside `allow` (logged once each while registered)
+        self.num_refused = 0
         self.secret = secret
         self.model = model
         self.task = task
@@ -167,9 +219,9 @@ class RemoteWorkers:
         finally:
             self.router.on_change.remove(attached.set)
 
-    def _add(self, address: str) -> None:
+    def _add(self, address: str, connect_host: str | None = None) -> None:
         worker = RemoteWorker(address, self.router, self.heartbeat_timeout, self.on_attach, self.secret, self.model,
-                              self.task)
+                              self.task, connect_host)
         self.workers[address] = worker
         worker.start()
 
@@ -185,15 +237,36 @@ class RemoteWorkers:
             if found is not None:
                 addresses = {entry["address"] for entry in found.values() if self._serves_our_model(entry)}
                 self._other_models &= set(found)  # forget the ones gone (logged again if they come back)
-                for address in addresses - set(self.workers):
-                    log.info("discovered worker at %s", address)
-                    self._add(address)
+                self._refused &= addresses
+                for address in addresses - set(self.workers) - self._refused:
+                    connect_host = await self._allowed_host(address)
+                    if connect_host is not None:
+                        log.info("discovered worker at %s", address)
+                        self._add(address, connect_host)
                 for address in set(self.workers) - addresses - set(self._addresses):
                     worker = self.workers[address]
                     if not worker.connected.is_set():  # deregistered and gone: stop retrying it
                         del self.workers[address]
                         await worker.stop()
             await asyncio.sleep(WORKER_DISCOVERY_POLL_S)
+
+    async def _allowed_host(self, address: str) -> str | None:
+        """The IP to reach a registered worker at, if its address is within the allow list; None otherwise (logged
+        once while it stays registered) or when it does not resolve now (tried again at the next poll)."""
+        host, _ = parse_address(address)
+        try:
+            ip, problem = await resolve_allowed(host, self.allow)
+        except OSError as e:
+            log.debug("the registered worker address %s does not resolve: %s", address, e)
+            return None
+        if ip is None:
+            self._refused.add(address)
+            self.num_refused += 1
+            if self.num_refused <= 16 or self.num_refused & (self.num_refused - 1) == 0:  # a flood logs no flood
+                log.warning("not connecting to the registered worker at %s: %s (%s); give --worker-allow to allow "
+                            "it (%d registrations refused so far)", address, problem,
+                            ",".join(map(str, self.allow)), self.num_refused)
+        return ip
 
     def _serves_our_model(self, entry: dict) -> bool:
         """A registry may hold the workers of several models (each with its gateways): only ours are connected to.

@@ -1,6 +1,7 @@
 """WorkerClient: the gateway's end of one worker connection, in asyncio.
 
-Frames are parsed as bytes arrive (an asyncio.Protocol, no reader task) and routed: `outputs` entries to the
+Frames are parsed as bytes arrive (an asyncio.Protocol, no reader task), opened (every frame after the handshake is
+sealed: inferd/worker/sealing.py; one that does not open kills the connection) and routed: `outputs` entries to the
 per-request stream queue of their request, when the epoch matches the dispatch; `heartbeat` stats to latest_stats.
 A watchdog declares the worker dead when nothing at all arrived for heartbeat_timeout; a closed connection or a
 worker that breaks the protocol is dead at once. Death fails every open stream with WorkerDead.
@@ -18,8 +19,8 @@ from ..engine.request import SamplingParams
 from .protocol import (CHALLENGE, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS, PROTOCOL_VERSION,
                        REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello, WorkerOutput,
                        WorkerStats, abort_message, add_message, auth_message, client_proof, decode_message,
-                       encode_frame, new_nonce, ping_message, proof_matches, shutdown_message, valid_nonce,
-                       worker_proof)
+                       encode_body, encode_frame, frame, new_nonce, ping_message, shutdown_message, valid_nonce)
+from .sealing import Opener, Sealer, channel
 
 
 UNRESPONSIVE_CLOSE_S = 60.0  # a given-up worker still silent after this long is closed for good
@@ -89,6 +90,8 @@ class WorkerClient:
         self.close_on_silence = close_on_silence
         self._secret = secret
         self._nonces: tuple[str, str] | None = None  # (worker's, ours) once the challenge was answered
+        self._sealer: Sealer | None = None  # set with the auth message: every frame after it is sealed
+        self._opener: Opener | None = None
         self.unresponsive = False  # silent past the timeout, connection kept (close_on_silence=False)
         self.num_given_up = 0  # times this worker was given up for silence
         self.address: tuple[str, int] | None = None
@@ -141,11 +144,11 @@ class WorkerClient:
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already streaming from this worker")
         try:
-            frame = encode_frame(add_message(request_id, epoch, prompt_token_ids, params, num_prompt_tokens))
+            body = encode_body(add_message(request_id, epoch, prompt_token_ids, params, num_prompt_tokens))
         except (ValueError, ProtocolError) as e:  # NaN/inf parameters (not JSON), a prompt over the frame limit
             raise RequestRejected(f"the request cannot be sent to the worker: {e}") from None
         stream = self._streams[request_id] = _Stream(epoch, asyncio.Queue())
-        self._transport.write(frame)
+        self._write(body)
         ended = False
         try:
             while True:
@@ -249,6 +252,8 @@ class WorkerClient:
         if self._dead is not None:
             return
         try:
+            if self._opener is not None:
+                body = self._open(body)
             message = decode_message(body, WORKER_MESSAGE_TYPES)
             kind = message["type"]
             if (self.hello is None) != (kind in (CHALLENGE, HELLO)):
@@ -271,11 +276,18 @@ class WorkerClient:
         ours = new_nonce()
         self._nonces = (worker_nonce, ours)
         self._transport.write(encode_frame(auth_message(ours, client_proof(self._secret, worker_nonce, ours))))
+        self._sealer, self._opener = channel(self._secret, worker_nonce, ours, worker_side=False)
+
+    def _open(self, sealed: bytes) -> bytes:
+        try:
+            return self._opener.open(sealed)
+        except ProtocolError as e:
+            if self.hello is None:  # the hello is the first sealed frame: the worker's proof
+                raise ProtocolError("the worker failed authentication: its hello does not open (it does not know "
+                                    "the shared secret, or the connection was tampered with)") from None
+            raise ProtocolError(f"{e}: the connection was tampered with") from None
 
     def _on_hello(self, message: dict[str, Any]) -> None:
-        if self._nonces is None or not proof_matches(worker_proof(self._secret, *self._nonces),
-                                                     message.get("proof")):
-            raise ProtocolError("the worker failed authentication (it does not know the shared secret)")
         hello = WorkerHello.from_wire(message)
         if hello.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(f"worker speaks protocol {hello.protocol_version}, this client {PROTOCOL_VERSION}")
@@ -356,7 +368,7 @@ class WorkerClient:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             stream.queue.put_nowait(WorkerDead(reason))
-            self._transport.write(encode_frame(abort_message(request_id)))  # read when (if) it wakes up
+            self._write(encode_body(abort_message(request_id)))  # read when (if) it wakes up
 
     def _recovered(self) -> None:
         self.unresponsive = False
@@ -383,4 +395,8 @@ class WorkerClient:
 
     def _send(self, message: dict[str, Any]) -> None:
         self._check_alive()
-        self._transport.write(encode_frame(message))
+        self._write(encode_body(message))
+
+    def _write(self, body: bytes) -> None:
+        """Seals and writes at once, on the event loop: frames leave in the order of their counters."""
+        self._transport.write(frame(self._sealer.seal(body)))

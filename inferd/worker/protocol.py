@@ -1,15 +1,20 @@
 """The wire protocol between a worker and its client (the gateway): framing, message types and their fields.
 
-A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON, one object with a "type". A length
-over MAX_FRAME_BYTES is a protocol error that ends the connection (the stream cannot be resynchronised, and the
-reader never allocates more than the limit); a frame that is not a JSON object with a known type is answered with
-an `error` message and the connection carries on.
+A frame is a 4-byte big-endian length followed by that many bytes. During the handshake the bytes are UTF-8 JSON,
+one object with a "type"; after it they are that JSON sealed (inferd/worker/sealing.py: AES-GCM under per-direction
+keys derived from the secret and both nonces, the tag at the end). A length over MAX_FRAME_BYTES (sealed: the
+ciphertext's) is a protocol error that ends the connection (the stream cannot be resynchronised, and the reader never
+allocates more than the limit), and so is a sealed frame that does not open; a frame that opens but is not a JSON
+object with a known type is answered with an `error` message and the connection carries on.
 
 The handshake (mutual, by a shared secret that never travels): on connect the worker sends `challenge` (its nonce);
 the client answers `auth` (its own nonce and HMAC-SHA256(secret, "gateway", worker nonce, client nonce)); the worker
-checks it in constant time and only then sends `hello`, carrying its own proof, HMAC(secret, "worker", ...), which
-the client checks. A connection that fails or does not finish the handshake in time is closed, touching nothing
-else. Without a secret (loopback only) both sides use the empty key: the same exchange, no protection.
+checks it in constant time and only then derives the keys and sends `hello`, the first sealed frame: the client
+opening it proves the worker knows the secret, and what it announces cannot have been changed on the way. From then
+on a relay between the two (e.g. one a forged Redis registration points the gateway at) can neither read nor alter
+anything: it can only cut the connection, which the gateway sees as a lost worker. A connection that fails or does
+not finish the handshake in time is closed, touching nothing else. Without a secret (loopback only) both sides use
+the empty key: the same exchange, no protection.
 
 worker -> client: challenge, hello (once, after auth), outputs (one per engine step, every request's new tokens),
 rejected (a request refused by validation), heartbeat (from its own thread, with a stats snapshot), error.
@@ -40,9 +45,12 @@ from ..config import MAX_HELLO_STRING
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import InvalidRequestError, SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: hello.version, stats.draining, rejected/error "retry"; 3: the challenge-response handshake
+# 2: hello.version, stats.draining, rejected/error "retry"; 3: the challenge-response handshake; 4: every frame after
+# the handshake sealed, the hello first (it no longer carries a proof: opening it is the proof)
+PROTOCOL_VERSION = 4
 
 _LENGTH = struct.Struct(">I")
+SEAL_TAG_BYTES = 16  # what sealing adds to a frame (AES-GCM's tag): the frame limit holds for the sealed frame
 
 # worker -> client
 CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "challenge", "hello", "outputs", "rejected", "heartbeat", "error"
@@ -65,13 +73,9 @@ def _proof(secret: bytes, role: str, worker_nonce: str, client_nonce: str) -> st
 
 
 def client_proof(secret: bytes, worker_nonce: str, client_nonce: str) -> str:
-    """What a gateway shows: it knows the secret (bound to this connection's two nonces)."""
+    """What a gateway shows: it knows the secret (bound to this connection's two nonces). The worker shows it back
+    by sealing its hello under keys only the secret derives (inferd/worker/sealing.py)."""
     return _proof(secret, "gateway", worker_nonce, client_nonce)
-
-
-def worker_proof(secret: bytes, worker_nonce: str, client_nonce: str) -> str:
-    """What a worker shows back (another role label: a gateway's proof can never be replayed as a worker's)."""
-    return _proof(secret, "worker", worker_nonce, client_nonce)
 
 
 def proof_matches(expected: str, given: Any) -> bool:
@@ -99,12 +103,24 @@ class ProtocolError(Exception):
 
 
 # ---- framing --------------------------------------------------------------------------------------------------
-def encode_frame(message: dict[str, Any]) -> bytes:
+def encode_body(message: dict[str, Any]) -> bytes:
+    """A message's JSON, the body of a frame (sealed or not). ProtocolError if its frame, sealed, would be over the
+    limit."""
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-    if len(body) > MAX_FRAME_BYTES:
+    if len(body) + SEAL_TAG_BYTES > MAX_FRAME_BYTES:
         raise ProtocolError(f"a {message.get('type')!r} message of {len(body)} bytes is over the "
                             f"{MAX_FRAME_BYTES}-byte frame limit")
-    return _LENGTH.pack(len(body)) + body
+    return body
+
+
+def frame(payload: bytes) -> bytes:
+    """The length prefix and the payload (a body, or a sealed body)."""
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    """An unsealed frame: the handshake's (challenge, auth)."""
+    return frame(encode_body(message))
 
 
 class FrameDecoder:

@@ -3,11 +3,17 @@ at once, each with its own requests.
 
 Threads: the main thread accepts connections; one thread per connection runs the handshake (the challenge-response
 of inferd/worker/protocol.py, by the shared secret, within WORKER_HANDSHAKE_TIMEOUT_S for the whole auth frame of at
-most MAX_HANDSHAKE_FRAME_BYTES: a port scan, a TCP probe or a client without the secret is closed and touches nothing;
-beyond MAX_PENDING_HANDSHAKES at once, new connections are closed unread), then parses frames and hands requests to
-the EngineLoop; the EngineLoop thread steps the engine; a heartbeat thread sends `heartbeat` to every connection
-every interval whatever the engine is doing, so a long step never looks like death. Whole frames are written under a
-per-connection lock, from whichever thread. A connection that closes aborts its own requests only.
+most MAX_HANDSHAKE_FRAME_BYTES: a port scan, a TCP probe or a client without the secret is closed and touches
+nothing), then opens the sealed frames (inferd/worker/sealing.py), parses them and hands requests to the EngineLoop;
+the EngineLoop thread steps the engine; a heartbeat thread sends `heartbeat` to every connection every interval
+whatever the engine is doing, so a long step never looks like death. Whole frames are sealed and written under a
+per-connection lock, from whichever thread, so that they leave in the order of their counters. A connection that
+closes aborts its own requests only.
+
+Connections in their handshake are bounded: MAX_PENDING_HANDSHAKES in all, MAX_PENDING_HANDSHAKES_PER_ADDRESS from
+one peer address. A new connection is never refused: when a bound is reached, the oldest pending handshake (of that
+address, else of all) is closed instead, so idle connections, renewed as they expire, cannot lock a gateway out.
+Authenticated connections are not counted there at all.
 
 Lifecycle: prints `READY tcp://HOST:PORT` once it accepts connections. SIGTERM/SIGINT: abort what runs, send the
 final outputs, close, exit 0. A client `shutdown` does the same after a grace period. If the step thread itself
@@ -34,14 +40,16 @@ from typing import Any
 import torch
 
 from ..config import (DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, MAX_HANDSHAKE_FRAME_BYTES,
-                      MAX_PENDING_HANDSHAKES, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig)
+                      MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS, WORKER_HANDSHAKE_TIMEOUT_S,
+                      EngineConfig)
 from ..engine import Engine, InvalidRequestError
 from .engine_loop import EngineLoop
 from .faults import FaultInjector
 from .protocol import (ABORT, ADD, AUTH, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
                        SHUTDOWN, ProtocolError, WorkerHello, challenge_message, client_proof, decode_message,
-                       encode_frame, error_message, heartbeat_message, new_nonce, parse_add, proof_matches,
-                       read_frame, rejected_message, valid_nonce, worker_proof)
+                       encode_body, error_message, frame, heartbeat_message, new_nonce, parse_add, proof_matches,
+                       read_frame, rejected_message, valid_nonce)
+from .sealing import Opener, Sealer, channel
 
 log = logging.getLogger("inferd.worker")
 
@@ -51,19 +59,23 @@ PR_SET_PDEATHSIG = 1
 
 
 class Connection:
-    """One client connection. send() is safe from any thread and never raises: a failed send closes it."""
+    """One client connection. send() is safe from any thread and never raises: a failed send closes it. Frames are
+    sealed once the handshake set sealer and opener (before that: the challenge, in the clear)."""
 
     def __init__(self, sock: socket.socket, address: Any):
         self.sock = sock
         self.address = address
+        self.peer = address[0] if isinstance(address, tuple) else str(address)  # the host, for per-address bounds
         self.closed = False
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
         self._lock = threading.Lock()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
 
     def send(self, message: dict[str, Any]) -> None:
         try:
-            frame = encode_frame(message)
+            body = encode_body(message)  # the JSON outside the lock; sealing inside it, in send order
         except (ProtocolError, ValueError) as e:
             log.error("dropping an unsendable %r message: %s", message.get("type"), e)
             return
@@ -71,7 +83,7 @@ class Connection:
             if self.closed:
                 return
             try:
-                self.sock.sendall(frame)
+                self.sock.sendall(frame(body if self.sealer is None else self.sealer.seal(body)))
             except OSError as e:
                 log.warning("send to %s failed (%s): closing the connection", self.address, e)
                 self.close()
@@ -83,6 +95,12 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def receive(self) -> bytes | None:
+        """The next frame's body, opened (blocking; the reader thread's); None at a clean end of stream. A fatal
+        ProtocolError when it does not open."""
+        sealed = read_frame(self.sock)
+        return None if sealed is None else self.opener.open(sealed)
 
     def release(self) -> None:
         """Closes the file descriptor, once no thread can be writing (called by the reader thread at its end)."""
@@ -110,8 +128,9 @@ class WorkerServer:
         self._conns: set[Connection] = set()  # authenticated connections (heartbeats go to each)
         self._conns_lock = threading.Lock()
         self.num_refused = 0  # connections closed for failing the handshake
-        self._handshaking = 0  # connections in their handshake now (at most MAX_PENDING_HANDSHAKES)
-        self.num_turned_away = 0  # connections closed unread because too many were in their handshake
+        # connections in their handshake now, oldest first (at most MAX_PENDING_HANDSHAKES)
+        self._pending: dict[Connection, None] = {}
+        self.num_evicted = 0  # pending handshakes closed to make room for a newer connection
         self._shutdown = threading.Event()
         self._heartbeat_seq = itertools.count(1)
 
@@ -153,20 +172,33 @@ class WorkerServer:
 
     # ---- connections ----------------------------------------------------------------------------------------
     def _adopt(self, sock: socket.socket, address: Any) -> None:
-        with self._conns_lock:
-            full = self._handshaking >= MAX_PENDING_HANDSHAKES
-            if not full:
-                self._handshaking += 1
-        if full:  # a flood of connections: turned away before it costs a thread (gateways retry with back-off)
-            sock.close()
-            self.num_turned_away += 1
-            if (self.num_turned_away & (self.num_turned_away - 1)) == 0:  # logged at 1, 2, 4, ...: floods no log
-                log.warning("closed a connection from %s at once: %d others are still in their handshake (%d turned "
-                            "away so far)", address, MAX_PENDING_HANDSHAKES, self.num_turned_away)
-            return
         sock.settimeout(None)
         conn = Connection(sock, address)
+        with self._conns_lock:
+            evicted = self._make_room(conn.peer)
+            self._pending[conn] = None
+        if evicted is not None:  # a flood: the oldest pending handshake makes room, never a new connection
+            evicted.close()  # wakes its thread, which ends the handshake as failed
+            self.num_evicted += 1
+            if (self.num_evicted & (self.num_evicted - 1)) == 0:  # logged at 1, 2, 4, ...: floods no log
+                log.warning("closed the oldest pending handshake (from %s) to make room for a connection from %s: "
+                            "at most %d connections in their handshake, %d per address (%d closed so far)",
+                            evicted.address, address, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS,
+                            self.num_evicted)
         threading.Thread(target=self._serve_connection, args=(conn,), name="inferd-conn-reader", daemon=True).start()
+
+    def _make_room(self, peer: str) -> Connection | None:
+        """Under _conns_lock: takes out (and returns) the pending handshake a new connection from peer replaces, if a
+        bound is reached: that address's oldest when it holds its share, else the oldest of all."""
+        same = [c for c in self._pending if c.peer == peer]
+        if len(same) >= MAX_PENDING_HANDSHAKES_PER_ADDRESS:
+            oldest = same[0]
+        elif len(self._pending) >= MAX_PENDING_HANDSHAKES:
+            oldest = next(iter(self._pending))
+        else:
+            return None
+        del self._pending[oldest]
+        return oldest
 
     def _serve_connection(self, conn: Connection) -> None:
         authenticated = False
@@ -174,7 +206,8 @@ class WorkerServer:
             authenticated = self._handshake(conn)
         finally:
             with self._conns_lock:
-                self._handshaking -= 1
+                evicted = self._pending.pop(conn, False) is False
+                authenticated = authenticated and not evicted and not conn.closed
                 if authenticated:
                     self._conns.add(conn)
         if not authenticated:
@@ -185,9 +218,9 @@ class WorkerServer:
         self._read(conn)
 
     def _handshake(self, conn: Connection) -> bool:
-        """challenge -> auth (checked) -> hello with the worker's own proof. False (nothing sent after the
-        challenge) when the client does not answer in time (the whole frame, however it trickles in), answers
-        anything else or more than an auth message, or does not know the secret."""
+        """challenge -> auth (checked) -> hello, the first sealed frame. False (nothing sent after the challenge)
+        when the client does not answer in time (the whole frame, however it trickles in), answers anything else or
+        more than an auth message, or does not know the secret."""
         nonce = new_nonce()
         conn.send(challenge_message(nonce))
         message, problem = None, None  # None and no message: it closed the connection without a word
@@ -214,19 +247,19 @@ class WorkerServer:
         if problem is not None:
             log.warning("connection from %s failed the handshake (%s): closed", conn.address, problem)
             return False
-        hello = self.hello.to_wire()  # before heartbeats can reach it: hello is the first frame after the handshake
-        hello["proof"] = worker_proof(self.secret, nonce, client_nonce)
-        conn.send(hello)
+        # the hello is the first sealed frame (opening it is the worker's proof), sent before heartbeats can reach it
+        conn.sealer, conn.opener = channel(self.secret, nonce, client_nonce, worker_side=True)
+        conn.send(self.hello.to_wire())
         return True
 
     def _read(self, conn: Connection) -> None:
         try:
             while True:
-                body = read_frame(conn.sock)
+                body = conn.receive()
                 if body is None:
                     break
                 self._handle_frame(conn, body)
-        except ProtocolError as e:  # fatal: the byte stream cannot be resynchronised
+        except ProtocolError as e:  # fatal: the byte stream cannot be resynchronised, or was tampered with
             log.warning("closing %s: %s", conn.address, e)
             conn.send(error_message(str(e)))
         except OSError:

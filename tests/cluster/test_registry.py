@@ -18,7 +18,7 @@ from cluster_util import versions, wait_for
 import redis
 import redis.asyncio as aioredis
 from remote_workers import start_worker
-from servers import kill_group
+from servers import free_port, kill_group, kill_redis, start_redis
 
 from inferd.config import MAX_HELLO_STRING
 from inferd.worker.registry import KEY_PREFIX, discover
@@ -148,3 +148,76 @@ def test_workers_are_attached_by_model_and_task_and_a_killed_embedder_loses_no_i
     finally:
         for w in workers:
             kill_group(w.proc)
+
+
+def test_registrations_outside_worker_allow_are_never_connected_to(cluster, redis_url, tiny_llama_dir, tmp_path):
+    """`gateway --worker-allow 127.0.0.1/32`: a worker registered at 127.0.0.3 (outside) is refused and logged, never
+    connected to; the one at 127.0.0.1 serves. Whoever can write to Redis cannot point a gateway at any host."""
+    db = redis_url.rsplit("/", 1)[0] + "/4"
+    redis.Redis.from_url(db).flushdb()
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(start_worker, tmp_path, tiny_llama_dir, "inside", "--register", db, "--echo"),
+                    pool.submit(start_worker, tmp_path, tiny_llama_dir, "outside", "--listen", "127.0.0.3:0",
+                                "--register", db, "--echo")]
+    workers = [f.result() for f in starting if f.exception() is None]
+    try:
+        assert len(workers) == 2, [f.exception() for f in starting]
+        inside, outside = workers
+        assert outside.address.startswith("127.0.0.3:")
+        gateway = cluster("--redis", db, "--worker-allow", "127.0.0.1/32", command="gateway", name="allow-gateway")
+        wait_for(lambda: f"not connecting to the registered worker at {outside.address}: 127.0.0.3 is outside "
+                 "--worker-allow" in gateway.log())
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "inside"
+        assert versions(gateway) == {"v1": 1}
+        assert "authenticated" in inside.log_path.read_text()
+        assert "authenticated" not in outside.log_path.read_text()  # never connected to
+        assert gateway.log().count(f"not connecting to the registered worker at {outside.address}") == 1
+    finally:
+        for w in workers:
+            kill_group(w.proc)
+
+
+def test_the_default_worker_allow_list_is_loopback_and_private_ranges():
+    """By default a registration may point a gateway at loopback and private addresses (where a cluster's pods are),
+    never at a link-local one (a cloud's metadata endpoint) or a public one."""
+    from inferd.cluster.remote import DEFAULT_ALLOW, allowed, parse_allow
+
+    for ip in ("127.0.0.1", "10.4.5.6", "172.20.0.9", "192.168.1.2", "100.64.3.4", "::1", "fd12::7",
+               "::ffff:10.0.0.1"):
+        assert allowed(ip, DEFAULT_ALLOW), ip
+    for ip in ("169.254.169.254", "fe80::1", "8.8.8.8", "2001:db8::1", "::ffff:8.8.8.8", "0.0.0.0"):
+        assert not allowed(ip, DEFAULT_ALLOW), ip
+    given = parse_allow("192.0.2.7, [2001:db8::/32]")
+    assert allowed("192.0.2.7", given) and allowed("2001:db8::5", given) and not allowed("192.0.2.8", given)
+    for bad in ("10.0.0.0/8,nowhere", "", " , "):
+        with pytest.raises(ValueError, match="--worker-allow"):
+            parse_allow(bad)
+
+
+def test_a_redis_with_a_password_gets_it_from_the_environment(cluster, tiny_llama_dir, tmp_path):
+    """deploy/k8s runs Redis with requirepass: $INFERD_REDIS_PASSWORD (from a Secret) goes into every Redis URL that
+    carries none, worker --register and gateway --redis (quotas and discovery), and never onto the command line."""
+    password = "p@ss:w/rd %1"  # characters a URL must quote
+    port = free_port()
+    redis_proc = start_redis(tmp_path, port, password=password)
+    url = f"redis://127.0.0.1:{port}/0"
+    env = {"INFERD_REDIS_PASSWORD": password}
+    worker = None
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()  # nothing gets in without it
+        worker = start_worker(tmp_path, tiny_llama_dir, "pw-worker", "--register", url, "--echo", env=env)
+        gateway = cluster("--redis", url, env=env, command="gateway", name="pw-gateway")
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.headers["x-inferd-worker"] == "pw-worker"
+        assert redis.Redis.from_url(url, password=password).keys("inferd:worker:*") == [b"inferd:worker:pw-worker"]
+        for pid in (worker.pid, gateway.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert password.encode() not in f.read()
+    finally:
+        if worker is not None:
+            kill_group(worker.proc)
+        kill_redis(redis_proc)

@@ -270,3 +270,95 @@ def test_inferd_pods_run_as_the_images_non_root_user(objects, repo):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert str(pod["securityContext"]["runAsUser"]) in uids
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+# ---- secrets and who reaches what ----------------------------------------------------------------------------
+
+def env_secret(container: dict, name: str) -> dict:
+    """The secretKeyRef an env variable of the container comes from (AssertionError if none)."""
+    [var] = [v for v in container.get("env", []) if v["name"] == name] or [None]
+    assert var is not None, f"{container['name']} has no env {name}"
+    ref = var.get("valueFrom", {}).get("secretKeyRef")
+    assert ref, f"{container['name']}'s {name} does not come from a Secret"
+    return ref
+
+
+def pod_labels(objects, deployment: str) -> dict:
+    return find(objects, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_redis_asks_for_a_password_that_gateways_and_workers_get_from_its_secret(parsed, objects):
+    """Whoever can write to Redis can register a worker: it has requirepass, from a Secret, and the inferd pods
+    get it from the same Secret as INFERD_REDIS_PASSWORD (never on their command line: the URLs carry none)."""
+    pod = find(objects, "Deployment", "inferd-redis")["spec"]["template"]["spec"]
+    [redis] = pod["containers"]
+    args = redis["args"]
+    m = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", args[args.index("--requirepass") + 1])
+    assert m, args
+    source = env_secret(redis, m.group(1))
+    assert not source.get("optional")
+    assert source == env_secret(redis, "REDISCLI_AUTH")  # what the redis-cli probe authenticates with
+    assert redis["readinessProbe"]["exec"]["command"][0] == "redis-cli"
+    for name in ("inferd-gateway", "inferd-worker"):
+        _, c, ns = parsed[name]
+        ref = env_secret(c, "INFERD_REDIS_PASSWORD")
+        assert (ref["name"], ref["key"], ref.get("optional")) == (source["name"], source["key"], None), name
+        url = ns.redis if name == "inferd-gateway" else ns.register
+        assert "@" not in url, f"{name}: a password in its --redis URL would be on its command line"
+
+
+def test_the_gateways_metrics_need_a_key_from_a_secret(parsed):
+    """/metrics names tenants: the gateway requires INFERD_METRICS_KEY, from a Secret (not optional)."""
+    _, c, gateway = parsed["inferd-gateway"]
+    ref = env_secret(c, "INFERD_METRICS_KEY")
+    assert not ref.get("optional")
+    assert gateway.metrics_key is None  # never on the command line
+
+
+def ingress_sources(policy: dict, objects) -> tuple[set[str], set[int]]:
+    """The Deployments whose pods a policy's ingress rules let in, and the ports they open."""
+    deployments = [o["metadata"]["name"] for _, o in objects if o["kind"] == "Deployment"]
+    sources, ports = set(), set()
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"{policy['metadata']['name']}: only pods of ours, got {peer}"
+            selector = peer["podSelector"]["matchLabels"].items()
+            sources |= {d for d in deployments if selector <= pod_labels(objects, d).items()}
+        ports |= {p["port"] for p in rule["ports"]}
+    return sources, ports
+
+
+def policies_of(objects, deployment: str) -> list[dict]:
+    labels = pod_labels(objects, deployment).items()
+    return [o for _, o in objects if o["kind"] == "NetworkPolicy"
+            and o["spec"]["podSelector"]["matchLabels"].items() <= labels]
+
+
+def test_only_the_gateways_reach_the_workers_and_only_inferd_reaches_redis(parsed, objects):
+    from inferd.cluster.remote import parse_address
+
+    _, _, worker = parsed["inferd-worker"]
+    listen_port = parse_address(worker.listen, allow_any_port=True)[1]
+    [policy] = policies_of(objects, "inferd-worker")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert ingress_sources(policy, objects) == ({"inferd-gateway"}, {listen_port})
+    [policy] = policies_of(objects, "inferd-redis")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    redis_port = find(objects, "Deployment", "inferd-redis")["spec"]["template"]["spec"]["containers"][0]["ports"][0]
+    assert ingress_sources(policy, objects) == ({"inferd-gateway", "inferd-worker"}, {redis_port["containerPort"]})
+
+
+def test_every_secret_the_manifests_read_is_created_in_the_deployment_guide(objects, repo):
+    names = set()
+    for _, o in objects:
+        if o["kind"] != "Deployment":
+            continue
+        pod = o["spec"]["template"]["spec"]
+        names |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        for c in pod["containers"]:
+            names |= {v["valueFrom"]["secretKeyRef"]["name"] for v in c.get("env", [])
+                      if "secretKeyRef" in v.get("valueFrom", {})}
+    assert {"inferd-redis-password", "inferd-metrics-key", "inferd-worker-secret"} <= names
+    guide = (repo / "docs" / "deployment.md").read_text()
+    for name in sorted(names):
+        assert f"create secret generic {name} " in guide, name

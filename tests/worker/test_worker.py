@@ -17,14 +17,16 @@ import pytest
 import torch
 from parity import Reference, assert_greedy_parity
 
-from inferd.config import MAX_HANDSHAKE_FRAME_BYTES, MAX_PENDING_HANDSHAKES, WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig
+from inferd.config import (MAX_HANDSHAKE_FRAME_BYTES, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS,
+                           WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig)
 from inferd.engine import Engine, InvalidRequestError, SamplingParams
 from inferd.models.build import load_model
 from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead, WorkerUnavailable
 from inferd.worker.protocol import (ADD, CHALLENGE, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED,
                                     FrameDecoder, ProtocolError, auth_message, client_proof, decode_message,
                                     encode_frame, new_nonce, read_frame, sampling_params_from_dict,
-                                    sampling_params_to_dict, worker_proof)
+                                    sampling_params_to_dict)
+from inferd.worker.sealing import channel
 
 PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
 MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]
@@ -232,21 +234,22 @@ def test_the_handshake_keeps_out_what_does_not_know_the_secret(spawn_worker, pro
     assert "failed the handshake" in proc.log()
 
 
+def closed_by_worker(sock: socket.socket, wait: float) -> bool:
+    """After the challenge a worker says nothing to an unauthenticated connection: readable means closed."""
+    if not select.select([sock], [], [], wait)[0]:
+        return False
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_time(spawn_worker):
     """Before the handshake nobody can make a worker buffer more than an auth message (a longer frame is refused at
     its length), keep a connection past the handshake deadline by trickling bytes, or hold more than
-    MAX_PENDING_HANDSHAKES connection threads (a flood: the rest are closed unread); an authenticated client is
-    served throughout, and once the flood is gone new clients get in."""
+    MAX_PENDING_HANDSHAKES connections in their handshake (a flood: the oldest are closed as new ones come); an
+    authenticated client is served throughout."""
     proc = spawn_worker("--echo", "--heartbeat-interval", "0.1")
-
-    def closed_by_worker(sock: socket.socket, wait: float) -> bool:
-        """After the challenge a worker says nothing to an unauthenticated connection: readable means closed."""
-        if not select.select([sock], [], [], wait)[0]:
-            return False
-        try:
-            return sock.recv(1 << 16) == b""
-        except ConnectionResetError:
-            return True
 
     def oversize() -> None:
         raw = RawConnection(proc.host, proc.port, secret=None)
@@ -255,10 +258,14 @@ def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_ti
         raw.close()
 
     def flood() -> list[RawConnection]:
-        pending = [RawConnection(proc.host, proc.port, secret=None) for _ in range(MAX_PENDING_HANDSHAKES)]
-        extra = socket.create_connection((proc.host, proc.port), timeout=30)
-        assert closed_by_worker(extra, 30)  # turned away: not even a challenge
-        extra.close()
+        """Three times the bound, from enough addresses that no per-address bound applies: all but the newest
+        MAX_PENDING_HANDSHAKES are closed, oldest first."""
+        per = MAX_PENDING_HANDSHAKES_PER_ADDRESS
+        pending = [RawConnection(proc.host, proc.port, secret=None, source=f"127.0.1.{i // per}")
+                   for i in range(3 * MAX_PENDING_HANDSHAKES)]
+        kept = pending[-MAX_PENDING_HANDSHAKES:]
+        assert all(closed_by_worker(raw.sock, 30) for raw in pending[:-MAX_PENDING_HANDSHAKES])
+        assert not any(closed_by_worker(raw.sock, 0) for raw in kept)
         return pending
 
     def trickle() -> int:
@@ -275,14 +282,6 @@ def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_ti
         raw.close()
         return sent
 
-    async def connect_once_room() -> WorkerClient:
-        for _ in range(200):  # the flood's threads end as they read our closes: wait for that, not for a time
-            try:
-                return await WorkerClient.connect(proc.host, proc.port)
-            except WorkerDead:
-                await asyncio.sleep(0.05)
-        raise AssertionError("no room for a new connection after the flood left")
-
     async def main():
         async with await WorkerClient.connect(proc.host, proc.port) as client:
             await asyncio.to_thread(oversize)
@@ -291,9 +290,6 @@ def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_ti
             assert tokens(out) == [5, 6, 7, 5, 6, 7, 5, 6]  # the echo worker's answer
             for raw in pending:
                 raw.close()
-            async with await connect_once_room() as late:
-                out = await asyncio.wait_for(collect(late, "after-flood", [8, 9], greedy(3)), 30)
-                assert tokens(out) == [8, 9, 8]
             sent = await asyncio.to_thread(trickle)
             await asyncio.wait_for(client.ping(), 30)
             return sent
@@ -302,8 +298,47 @@ def test_unauthenticated_connections_cost_a_worker_bounded_memory_threads_and_ti
     assert sent < MAX_HANDSHAKE_FRAME_BYTES  # closed at the handshake deadline, not when the frame was complete
     log = proc.log()
     assert f"over the {MAX_HANDSHAKE_FRAME_BYTES}-byte limit" in log
-    assert "others are still in their handshake" in log
+    assert "closed the oldest pending handshake" in log
     assert f"no auth message within {WORKER_HANDSHAKE_TIMEOUT_S:g} s" in log
+
+
+def test_idle_connections_never_lock_a_gateway_out(spawn_worker):
+    """MAX_PENDING_HANDSHAKES idle connections (renewed as they expire, they used to keep every new gateway out:
+    "closed during the handshake"): a gateway with the secret still connects, in the room of the oldest, and
+    generates. One address holds at most MAX_PENDING_HANDSHAKES_PER_ADDRESS of them: its newest push out its oldest,
+    not the others' handshakes."""
+    secret = "flood-secret"
+    proc = spawn_worker("--echo", "--heartbeat-interval", "0.1", env={"INFERD_WORKER_SECRET": secret})
+    per = MAX_PENDING_HANDSHAKES_PER_ADDRESS
+
+    def idle_from(source: str, n: int) -> list[RawConnection]:
+        return [RawConnection(proc.host, proc.port, secret=None, source=source) for _ in range(n)]
+
+    def flood() -> list[RawConnection]:  # the bound exactly, `per` from each address: no one is closed yet
+        return [raw for i in range(MAX_PENDING_HANDSHAKES // per) for raw in idle_from(f"127.0.0.{2 + i}", per)]
+
+    async def generate(tag: str) -> list[int]:
+        async with await WorkerClient.connect(proc.host, proc.port, secret=secret.encode()) as client:
+            return tokens(await asyncio.wait_for(collect(client, tag, [5, 6, 7], greedy(5)), 30))
+
+    async def main():
+        idle = await asyncio.to_thread(flood)
+        assert await generate("through-the-flood") == [5, 6, 7, 5, 6]
+        assert closed_by_worker(idle[0].sock, 30)  # the oldest made room for the gateway
+        assert not any(closed_by_worker(raw.sock, 0) for raw in idle[1:])
+        for raw in idle:
+            raw.close()
+        # (any of those the worker has not seen closed yet are older than what follows: they go first)
+        other = await asyncio.to_thread(idle_from, "127.0.0.199", 2)
+        one = await asyncio.to_thread(idle_from, "127.0.0.200", 2 * per)  # one address, twice its share
+        assert all(closed_by_worker(raw.sock, 30) for raw in one[:per])  # its own oldest made room...
+        assert not any(closed_by_worker(raw.sock, 0) for raw in one[per:] + other)  # ...not another's
+        assert await generate("after-one-address") == [5, 6, 7, 5, 6]
+        for raw in other + one:
+            raw.close()
+
+    asyncio.run(main())
+    assert "closed the oldest pending handshake" in proc.log()
 
 
 async def collect_rest(stream) -> list:
@@ -475,27 +510,33 @@ def test_shutdown_finishes_running_requests_and_exits_0(spawn_worker, prompts):
 class RawConnection:
     """A bare socket speaking frames, to send what a well-behaved client never would."""
 
-    def __init__(self, host: str, port: int, secret: bytes | None = b""):
-        """secret: run the handshake with it (None: none, the connection stays at the worker's challenge)."""
-        self.sock = socket.create_connection((host, port), timeout=10)
+    def __init__(self, host: str, port: int, secret: bytes | None = b"", source: str | None = None):
+        """secret: run the handshake with it (None: none, the connection stays at the worker's challenge).
+        source: the local address to connect from (another loopback address: another peer to the worker)."""
+        self.sock = socket.create_connection((host, port), timeout=10,
+                                             source_address=None if source is None else (source, 0))
         self.skipped: list[dict] = []  # messages receive_until passed over (outputs that arrived in between)
+        self.sealer = self.opener = None  # after the handshake every frame is sealed, both ways
         self.challenge = self.receive()
         assert self.challenge["type"] == CHALLENGE
         if secret is not None:
             ours = new_nonce()
             self.send(auth_message(ours, client_proof(secret, self.challenge["nonce"], ours)))
+            self.sealer, self.opener = channel(secret, self.challenge["nonce"], ours, worker_side=False)
             hello = self.receive()
             assert hello["type"] == HELLO
-            assert hello["proof"] == worker_proof(secret, self.challenge["nonce"], ours)
 
     def send(self, message) -> None:
-        self.sock.sendall(encode_frame(message))
+        self.send_body(json.dumps(message).encode())
 
     def send_body(self, body: bytes) -> None:
-        self.sock.sendall(struct.pack(">I", len(body)) + body)
+        sealed = body if self.sealer is None else self.sealer.seal(body)
+        self.sock.sendall(struct.pack(">I", len(sealed)) + sealed)
 
     def receive(self) -> dict | None:
         body = read_frame(self.sock)
+        if body is not None and self.opener is not None:
+            body = self.opener.open(body)
         return None if body is None else json.loads(body)
 
     def receive_until(self, kind: str) -> dict:
