@@ -35,12 +35,13 @@ class EmbeddingRequest(BaseModel):
 
 
 class EmbeddingService:
-    def __init__(self, router, gateway, encode, model_name: str):
+    def __init__(self, router, gateway, encode, model_name: str, metrics=None):
         self.router = router
         self.gateway = gateway
         self.encode = encode  # text -> token ids: the embedding model's own tokenizer (engine/embedding.py)
         self.model_name = model_name
         self.num_requests = 0
+        self.metrics = metrics
         self._tokenize_pool: ThreadPoolExecutor | None = None
 
     async def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
@@ -76,6 +77,19 @@ class EmbeddingService:
                     self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inferd-embed-tok")
                 ids = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, lambda: [self.encode(t) for t in texts])
+        try:
+            self._check_ids(ids, hello)
+        except APIError:
+            if self.metrics is not None:  # refused after the tokenizing: work spent, nothing served
+                self.metrics.refused_after_tokenizing.labels("embeddings").inc()
+            raise
+        if req.dimensions is not None and req.dimensions != hello.embedding_dim:
+            raise invalid(f"{self.model_name} does not support dimensions other than its own "
+                          f"({hello.embedding_dim}); its vectors cannot be truncated", param="dimensions")
+        return ids
+
+    @staticmethod
+    def _check_ids(ids: list[list[int]], hello) -> None:
         for i, x in enumerate(ids):
             if len(x) > hello.max_model_len:
                 raise invalid(f"input {i} has {len(x)} tokens; this model's maximum context length is "
@@ -84,10 +98,6 @@ class EmbeddingService:
             if bad is not None:
                 raise invalid(f"input token id {bad} is outside the vocabulary [0, {hello.vocab_size})",
                               param="input")
-        if req.dimensions is not None and req.dimensions != hello.embedding_dim:
-            raise invalid(f"{self.model_name} does not support dimensions other than its own "
-                          f"({hello.embedding_dim}); its vectors cannot be truncated", param="dimensions")
-        return ids
 
     async def create(self, req: EmbeddingRequest, tenant, band: int, queue_timeout, cache_salt: str) -> dict:
         ids = await self.inputs(req)

@@ -270,7 +270,8 @@ class _EmbeddingBackend:
             await self.pool.add(1)
         else:
             await self.remote.start()
-        state.embeddings[self.spec.name] = EmbeddingService(self.router, self.gateway, encode, self.spec.name)
+        state.embeddings[self.spec.name] = EmbeddingService(self.router, self.gateway, encode, self.spec.name,
+                                                            state.metrics)
 
     async def stop(self) -> None:
         self.gateway.close()

@@ -286,7 +286,13 @@ class OpenAIServing:
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict] | None = None) -> list[int]:
         rendered = []
-        for m in messages:
+        check = getattr(self.tokenizer, "contains_special_text", None)
+        for i, m in enumerate(messages):
+            # a template prints these outside the message contents, where a special token's text becomes the token
+            for field, value in (("name", m.name), ("tool_call_id", m.tool_call_id)):
+                if value is not None and check is not None and check(value):
+                    raise invalid(f"messages[{i}].{field} must not contain the text of the model's special tokens",
+                                  param=f"messages[{i}].{field}")
             # the template knows system, user and assistant; OpenAI's developer role is the system role renamed
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
@@ -298,7 +304,6 @@ class OpenAIServing:
             rendered.append(message)
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
             if self.native_tools:  # the template prints tools and calls outside the contents: no special tokens there
-                check = getattr(self.tokenizer, "contains_special_text", None)
                 outside = json.dumps([tools, [m.get("tool_calls") for m in rendered]], ensure_ascii=False)
                 if check is not None and check(outside):
                     raise invalid("tools and tool calls must not contain the text of the model's special tokens",
@@ -333,6 +338,17 @@ class OpenAIServing:
 
     def _prepare(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
                  logprobs: int | None, received_at: float, spec: tuple[str, str] | None = None) -> Prepared:
+        """The prompts (tokenized) checked against the model and turned into a Prepared. A refusal here comes after
+        the tokenizing: counted, so that work spent on requests that were never served shows."""
+        try:
+            return self._prepare_tokenized(chat, prefix, req, prompts, max_tokens, logprobs, received_at, spec)
+        except APIError as e:
+            if 400 <= e.status < 500 and self.metrics is not None:
+                self.metrics.refused_after_tokenizing.labels("chat" if chat else "completions").inc()
+            raise
+
+    def _prepare_tokenized(self, chat: bool, prefix: str, req, prompts: list[list[int]], max_tokens: int | None,
+                           logprobs: int | None, received_at: float, spec: tuple[str, str] | None) -> Prepared:
         hello = self.router.hello
         if hello is None:
             raise not_ready(f"no worker is available: {self.router.not_ready_reason}")

@@ -53,6 +53,9 @@ class Metrics:
             "inferd_gateway_overhead_seconds", "Time the API/gateway process adds to a request: receipt to the end "
             "of its response, less the time spent waiting in the line and for the worker", buckets=OVERHEAD_BUCKETS,
             registry=r)
+        self.refused_after_tokenizing = Counter(
+            "inferd_refused_after_tokenizing", "Requests refused by validation after their inputs were tokenized (or "
+            "read as token ids): work spent on requests never served, by endpoint", ["endpoint"], registry=r)
         self.embedding_requests = Counter("inferd_embedding_requests", "/v1/embeddings requests served", registry=r)
         self.embedding_inputs = Counter("inferd_embedding_inputs", "Inputs embedded (one vector each)", registry=r)
         self.embedding_passes = Gauge("inferd_embedding_model_passes", "Forward passes the embedding workers ran "

@@ -237,7 +237,14 @@ def test_big_inputs_are_tokenized_off_the_event_loop(server):
                 await asyncio.sleep(0.02)
             return [p.result() for p in posts], worst
 
+    def refused() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        line = next((l for l in text.splitlines() if l.startswith('inferd_refused_after_tokenizing_total{endpoint="embeddings"}')), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    before = refused()
     answers, worst = asyncio.run(run())
+    assert refused() == before + 4  # tokenized, then refused: counted
     for r in answers:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert "tokens" in r.json()["error"]["message"]  # tokenized, then refused for its length
