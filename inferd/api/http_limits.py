@@ -118,6 +118,7 @@ def protocol_class(head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S,
             self._body_started = 0.0
             self._body_received = 0
             self._lingering = False
+            self._running = None  # the request whose application runs (or ran last)
             self._arm_head_timer(head_timeout)
             table.opened(self)
 
@@ -212,6 +213,12 @@ def protocol_class(head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S,
 
         def _body_deadline(self) -> None:
             self._body_timer = None
+            if self.pipeline or self.flow.read_paused:
+                # the server is not reading (a pipelined request waits for the one before it, or the application
+                # has not taken what came): not the client's delay, so its clock starts again
+                self._body_started, self._body_received = self.loop.time(), 0
+                self._arm_body_timer(self._body_started + body_timeout)
+                return
             allowed = self._body_started + body_timeout + self._body_received / min_body_rate
             if self.loop.time() < allowed:  # it kept coming: the deadline moved
                 self._arm_body_timer(allowed)
@@ -237,17 +244,22 @@ def protocol_class(head_timeout: float = NEW_CONNECTION_IDLE_TIMEOUT_S,
             super().on_message_complete()
 
         # ---- between requests ------------------------------------------------------------------------------
+        def _start_asgi_task(self, cycle, app) -> None:
+            self._running = cycle  # self.cycle is the last request parsed: a pipelined one may follow this one
+            super()._start_asgi_task(cycle, app)
+
         def on_response_complete(self) -> None:
-            cycle = self.cycle
+            cycle = self._running
             if cycle is not None and (cycle.more_body or cycle.scope.get(CLOSE_AFTER_RESPONSE)):
                 self.server_state.total_requests += 1
                 self._linger_close()
                 return
+            pipelined = bool(self.pipeline)  # uvicorn starts the next one now: the connection stays busy
             super().on_response_complete()
             if self.timeout_keep_alive_task is not None:  # uvicorn's timer: ours below replaces it
                 self.timeout_keep_alive_task.cancel()
                 self.timeout_keep_alive_task = None
-            if not self.transport.is_closing() and not self.pipeline:
+            if not self.transport.is_closing() and not pipelined:
                 self._head_done = False
                 self._head_bytes = 0  # what arrives next is the next request's head
                 self._arm_head_timer(keep_alive)

@@ -4,6 +4,7 @@ echo workers: a body trickled a byte at a time, idle and unauthenticated connect
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import threading
@@ -200,3 +201,23 @@ def test_requests_past_the_cap_get_503_but_probes_pass(server):
         _healthy(server)
         assert not any(f.done() for f in running), "a stream ended before the checks: they prove nothing"
         assert [f.result() for f in running] == [200] * LIMIT
+
+
+def test_a_pipelined_request_waiting_for_the_one_before_is_not_timed_out(server):
+    """Two requests on one connection, the second sent before the first is answered, its body a moment after its
+    head: the server does not read it while the first runs (3 s here, past --http-body-timeout), which is not the
+    client's delay: both are answered 200."""
+    def request(max_tokens: int, close: bool = False) -> tuple[bytes, bytes]:
+        payload = f'{{"model": "tiny", "prompt": "hi", "max_tokens": {max_tokens}}}'.encode()
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.keys['a']}\r\n"
+                f"Content-Type: application/json\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode(), payload
+
+    (head1, body1), (head2, body2) = request(150), request(2, close=True)
+    with _connect(server) as sock:
+        sock.sendall(head1 + body1 + head2)
+        time.sleep(0.3)  # the second body arrives after the server stopped reading (the test is that it waits)
+        sock.sendall(body2)
+        received = _closed(sock, 60)  # the second asked to close the connection after its answer
+    assert received is not None
+    assert re.findall(rb"HTTP/1\.1 (\d+)", received) == [b"200", b"200"], received[:500]
