@@ -10,8 +10,10 @@ import json
 
 import pytest
 
-from inferd.api import batches
-from inferd.api.batches import BatchRunner, BatchStore, LineOutcome, parse_input
+from inferd.api import batch_input, batch_runner, batches
+from inferd.api.batch_input import parse_input
+from inferd.api.batch_runner import BatchRunner, LineOutcome
+from inferd.api.batches import BatchStore
 from inferd.api.errors import APIError
 
 
@@ -39,10 +41,10 @@ def test_limits(tmp_path, monkeypatch):
     with pytest.raises(APIError) as e:  # MAX_BATCH_WINDOW_S
         store.create_batch("other", "/v1/completions", f["id"], "200h", None)
     assert e.value.param == "completion_window"
-    monkeypatch.setattr(batches, "MAX_BATCH_LINES", 3)
+    monkeypatch.setattr(batch_input, "MAX_BATCH_LINES", 3)
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps(line(i)) + "\n" for i in range(5)))
-    lines, errors = parse_input(big, "/v1/completions")
+    lines, errors, refused = parse_input(big, "/v1/completions", 1 << 20)
     assert [e["code"] for e in errors] == ["too_many_lines"] and errors[0]["line"] == 4
     with pytest.raises(APIError) as e:  # another tenant's file does not exist for this one
         store.get_file("other", f["id"])
@@ -53,7 +55,7 @@ def test_a_result_is_recorded_once(tmp_path):
     store = BatchStore(tmp_path / "state")
     f = put_file(store, tmp_path, [line(0), line(1)])
     b = store.create_batch("t", "/v1/completions", f["id"], "24h", None)
-    lines, _ = parse_input(store.path(f["id"]), "/v1/completions")
+    lines, _, _ = parse_input(store.path(f["id"]), "/v1/completions", 1 << 20)
     assert store.store_lines(b["id"], lines)
     assert store.record(b["id"], 1, True, {"custom_id": "c0"})
     assert not store.record(b["id"], 1, True, {"custom_id": "c0"})  # a second run of the same line
@@ -62,7 +64,7 @@ def test_a_result_is_recorded_once(tmp_path):
 
 
 def test_the_runner_backs_off_while_more_important_work_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(batches, "BATCH_BUSY_COOLDOWN_S", 0.3)
+    monkeypatch.setattr(batch_runner, "BATCH_BUSY_COOLDOWN_S", 0.3)
 
     async def scenario():
         store = BatchStore(tmp_path / "state")
@@ -94,6 +96,6 @@ def test_the_runner_backs_off_while_more_important_work_runs(tmp_path, monkeypat
         return peaks, [o["custom_id"] for o in out]
 
     peaks, ids = asyncio.run(scenario())
-    assert peaks["busy"] == batches.BUSY_BATCH_CONCURRENCY
+    assert peaks["busy"] == batch_runner.BUSY_BATCH_CONCURRENCY
     assert peaks["quiet"] > 2  # it grew back once the other work had been gone for the cool-down
     assert ids == [f"c{i}" for i in range(60)]
