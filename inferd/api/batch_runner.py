@@ -120,9 +120,10 @@ class BatchRunner:
                 pause = backoff(failures)
                 log.exception("the batch runner could not read its batches; trying again in %.1f s", pause)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=pause)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that comes as the event is set
+                async with asyncio.timeout(pause):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     async def _sweep(self) -> None:
