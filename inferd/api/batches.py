@@ -34,6 +34,8 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINISHED = ("completed", "failed", "expired", "cancelled")
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 DB_NAME = "batches.sqlite3"
+STORE_CHUNK_BYTES = 4 << 20  # a validated file's lines are written this much per transaction ...
+DELETE_CHUNK_LINES = 500  # ... and a finished batch's deleted this many at a time: the WAL holds a transaction whole
 WAL_LIMIT_BYTES = 64 << 20  # the WAL is cut back to this after a checkpoint (a big batch's lines can make it large)
 SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = tenants stored as identities ("key:NAME", "builtin:NAME")
 
@@ -100,6 +102,7 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
+        self._db.execute("PRAGMA secure_delete=ON")  # a deleted tenant's data is zeroed, not left in free pages
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._migrate()
@@ -150,9 +153,22 @@ class BatchStore:
             else:
                 private_file(path)
         marks = ", ".join("?" * len(ACTIVE))
-        self._tx(lambda db: db.execute(f"DELETE FROM lines WHERE batch_id NOT IN (SELECT id FROM batches WHERE "
-                                       f"status IN ({marks}))", ACTIVE))
+        for row in self._q(f"SELECT DISTINCT batch_id FROM lines WHERE batch_id NOT IN (SELECT id FROM batches "
+                           f"WHERE status IN ({marks}))", ACTIVE):
+            self.drop_lines(row["batch_id"])
         self.reclaim()
+
+    def drop_lines(self, batch_id: str) -> None:
+        """Deletes a batch's lines, DELETE_CHUNK_LINES per transaction with a checkpoint after each: secure_delete
+        writes every freed page, and one transaction would put the whole batch through the WAL."""
+        while True:
+            gone = self._tx(lambda db: db.execute(
+                "DELETE FROM lines WHERE batch_id = ? AND line_no IN (SELECT line_no FROM lines WHERE batch_id = ? "
+                "ORDER BY line_no LIMIT ?)", (batch_id, batch_id, DELETE_CHUNK_LINES)).rowcount)
+            with self._lock:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            if gone < DELETE_CHUNK_LINES:
+                return
 
     def reclaim(self) -> None:
         """Gives the pages that deletes freed back to the filesystem, and truncates the WAL (a big batch's lines or
@@ -290,19 +306,47 @@ class BatchStore:
 
     def store_lines(self, batch_id: str, lines: list[tuple[int, str, str]]) -> bool:
         """The validated lines (line number, custom_id, body JSON), and in_progress; False if the batch left
-        validating meanwhile (cancelled)."""
-        def insert(db):
+        validating meanwhile (cancelled). Written a few megabytes per transaction, so that the WAL (which holds a
+        transaction whole) stays small; a crash in between leaves the batch validating, validated again at start."""
+        def still_validating(db) -> bool:
             row = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
-            if row is None or row[0] != "validating":
+            return row is not None and row[0] == "validating"
+
+        def clear(db):
+            if still_validating(db):
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # a validation cut short by a crash
+                return True
+            return False
+
+        def insert(chunk):
+            def run(db):
+                if not still_validating(db):
+                    return False
+                db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
+                               [(batch_id, n, cid, body) for n, cid, body in chunk])
+                return True
+            return run
+
+        def start(db):
+            if not still_validating(db):
                 return False
-            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # a validation cut short by a crash
-            db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
-                           [(batch_id, n, cid, body) for n, cid, body in lines])
             db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, total = ? WHERE id = ?",
                        (_now(), len(lines), batch_id))
             return True
 
-        return self._tx(insert)
+        if not self._tx(clear):
+            return False
+        chunk, size = [], 0
+        for item in lines:
+            chunk.append(item)
+            size += len(item[2])
+            if size >= STORE_CHUNK_BYTES:
+                if not self._tx(insert(chunk)):
+                    return False
+                chunk, size = [], 0
+        if chunk and not self._tx(insert(chunk)):
+            return False
+        return self._tx(start)
 
     def pending_lines(self, batch_id: str, exclude: set[int], limit: int) -> list[dict]:
         """Up to limit pending lines not in exclude, first in the file first (only those are read whole: a body can
@@ -336,9 +380,9 @@ class BatchStore:
 
     def finalize(self, batch: dict, final_status: str, unfinished_code: str | None) -> None:
         """Writes the output and error files (lines in input order; lines never run: an error with
-        unfinished_code, for an expired or cancelled batch), moves the batch to final_status and deletes its lines,
-        in one transaction. Idempotent: a crash before that transaction leaves the batch as it was (its files
-        orphans, dropped at start)."""
+        unfinished_code, for an expired or cancelled batch), moves the batch to final_status
+        in one transaction, then deletes its lines. Idempotent: a crash before that transaction leaves the batch as it
+        was (its files orphans, dropped at start)."""
         batch_id = batch["id"]
         rows = self._q("SELECT line_no, custom_id, status, result FROM lines WHERE batch_id = ? ORDER BY line_no",
                        (batch_id,))
@@ -378,12 +422,12 @@ class BatchStore:
                        f"failed = failed + ? WHERE id = ?",
                        (final_status, _now(), made.get("output_file_id", {}).get("id"),
                         made.get("error_file_id", {}).get("id"), unrun, batch_id))
-            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # the output and error files hold them
             return True
 
         if not self._tx(commit):
             for f in made.values():
                 self.path(f["id"]).unlink(missing_ok=True)
+        self.drop_lines(batch_id)  # the output and error files hold them now (after a crash here: dropped at start)
         self.reclaim()
 
     def sweep(self, retention_s: float, now: float | None = None) -> int:
