@@ -81,6 +81,7 @@ class BatchRunner:
         self._steps: dict[str, asyncio.Task] = {}  # batch id -> its validation or finalization
         self._held_until: dict[str, float] = {}  # batch id -> when a step that failed may run again
         self._step_failures: dict[str, int] = {}
+        self._traced: set[str] = set()  # batches whose lines' unexpected failures were logged with a traceback
         self._validations = asyncio.Semaphore(BATCH_VALIDATIONS)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -259,7 +260,9 @@ class BatchRunner:
             raise
         except Exception:
             if outcome is None:  # never expected (execute answers every failure): the line's result is a 500
-                log.exception("batch %s line %d failed in the runner", batch["id"], line["line_no"])
+                log.error("batch %s line %d failed in the runner", batch["id"], line["line_no"],
+                          exc_info=batch["id"] not in self._traced)  # a traceback once per batch: no flood
+                self._traced.add(batch["id"])
                 try:
                     await self._record(batch, line, LineOutcome(500, {"error": {
                         "message": "the server failed this request", "type": "server_error", "param": None,
@@ -353,3 +356,4 @@ class BatchRunner:
         for table in (self._retry_at, self._attempts):
             for key in [k for k in table if k[0] == batch["id"]]:
                 del table[key]
+        self._traced.discard(batch["id"])
