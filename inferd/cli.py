@@ -29,6 +29,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEA
                      DEFAULT_RATE_WINDOW_S, DEFAULT_SSE_KEEPALIVE_S, DEFAULT_TIER, DEFAULT_WORKER_QUEUE_DEPTH,
                      MAX_QUEUE_TIMEOUT_S, MAX_REQUEST_BODY_BYTES, TIERS, EngineConfig)
 from .config import DEFAULT_BATCH_CONCURRENCY, DEFAULT_EMBED_MAX_BATCH_TOKENS, DEFAULT_EMBED_MAX_WAIT_MS
+from .config import BATCH_RETENTION_S, BATCH_STORAGE_PER_TENANT
 from .config import KV_DTYPES, REDIS_LEASE_RENEW_S, REDIS_LEASE_S, TOOL_CALL_PARSERS, WORKER_SECRET_ENV
 from .config import DEFAULT_WORKER_ALLOW, REDIS_PASSWORD_ENV
 from .config import (DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_IDLE_PER_ADDRESS, DEFAULT_LIMIT_CONCURRENCY,
@@ -44,6 +45,14 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 536870912, 512M, 2G)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
+
+
+def parse_duration(text: str) -> float:
+    """'3600', '90s', '30m', '12h', '30d' -> seconds (>= 0)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 90s, 30m, 12h, 30d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -392,7 +401,9 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args),
                         tool_call_parser=args.tool_call_parser,
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
-                        batch_concurrency=args.batch_concurrency, **backend)
+                        batch_concurrency=args.batch_concurrency,
+                        batch_storage_per_tenant=args.batch_storage_per_tenant or None,
+                        batch_retention=args.batch_retention or None, **backend)
     return run_server(opts)
 
 
@@ -512,6 +523,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "else ~/.cache/inferd/state; '' turns the Batch API off)")
     p.add_argument("--batch-concurrency", type=int, default=DEFAULT_BATCH_CONCURRENCY,
                    help="the most batch lines in flight at once (it adapts below this to what the service takes)")
+    p.add_argument("--batch-storage-per-tenant", type=parse_bytes, default=BATCH_STORAGE_PER_TENANT, metavar="BYTES",
+                   help="the bytes of Batch API files (uploads and outputs) one tenant may keep; an upload past it "
+                        "gets 429 storage_quota_exceeded (default 1G; 0: no limit)")
+    p.add_argument("--batch-retention", type=parse_duration, default=BATCH_RETENTION_S, metavar="DURATION",
+                   help="how long a finished batch and its output and error files are kept, e.g. 12h or 30d "
+                        "(default 30d; 0: forever)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls (default: from its chat template; hermes for a template "
                         "without tools, which then gets inferd's fallback tool prompt)")

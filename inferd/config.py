@@ -79,14 +79,20 @@ DEFAULT_EMBED_MAX_BATCH_TOKENS = 8192  # `--embed-max-batch-tokens`: tokens one 
 # an embedding input of more characters than max_model_len x this is refused before it is tokenized: it cannot fit
 # (a token of more characters is rare outside runs of one symbol)
 EMBED_MAX_CHARS_PER_TOKEN = 16
-# the Batch API (inferd/api/batches.py)
+# the Batch API (inferd/api/batches.py, batch_input.py, batch_runner.py); a batch line's size is bounded like an
+# HTTP body (--max-body-bytes)
 MAX_FILE_BYTES = 200 << 20  # an uploaded file (OpenAI's limit for batch input: 200 MB)
 MAX_FILES_PER_TENANT = 1000  # files a tenant may keep (outputs included); delete to make room
 MAX_BATCH_LINES = 50_000  # requests in one batch input file (OpenAI's limit)
 MAX_ACTIVE_BATCHES_PER_TENANT = 16  # batches a tenant may have validating, running, finalizing or cancelling
 MAX_BATCH_WINDOW_S = 7 * 24 * 3600  # the longest completion_window
 DEFAULT_BATCH_CONCURRENCY = 16  # `--batch-concurrency`: the most batch lines in flight (adapts below it)
-BATCH_RETRY_S = 1.0  # a line the service was too busy for runs again after this
+BATCH_RETRY_S = 1.0  # a line the service was too busy for runs again after this, doubled at each busy answer ...
+BATCH_RETRY_MAX_S = 30.0  # ... up to this (or the answer's Retry-After, capped here): a refusal costs little
+BATCH_STORAGE_PER_TENANT = 1 << 30  # `--batch-storage-per-tenant`: bytes of files (inputs and outputs) a tenant keeps
+BATCH_RETENTION_S = 30 * 24 * 3600.0  # `--batch-retention`: a finished batch and its output files go after this
+BATCH_SWEEP_INTERVAL_S = 60.0  # the retention sweep runs this often (or at half the retention, if shorter)
+BATCH_VALIDATIONS = 2  # input files validated at once (each a thread reading up to MAX_FILE_BYTES)
 BUSY_BATCH_CONCURRENCY = 1  # batch lines started while interactive/standard requests run or wait
 BATCH_BUSY_COOLDOWN_S = 2.0  # ... and until this long after the last of them: then the batch takes the idle capacity
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)

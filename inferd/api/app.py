@@ -26,7 +26,7 @@ from ..config import (DASHBOARD_WINDOWS_S, DEFAULT_DASHBOARD_WINDOW_S, DEFAULT_S
 from ..gateway.admission import Gateway, RateLimited
 from ..gateway.limits import LimiterUnavailable
 from ..gateway.router import Router
-from ..gateway.tenants import ANONYMOUS, AuthError, KeyStore, Tenant
+from ..gateway.tenants import ANONYMOUS_TENANT, DEFAULT_TENANT, AuthError, KeyStore, Tenant
 from ..telemetry.metrics import Metrics
 from .embeddings import EmbeddingRequest
 from .errors import REQUEST_ID, INVALID_REQUEST, APIError, install_error_handlers, invalid, new_request_id
@@ -44,7 +44,6 @@ TENANT = "inferd.tenant"  # scope key: the Tenant the request's key belongs to
 ABORT_CONNECTION = "inferd.abort_connection"  # scope key: () -> None, drops the client's connection at once
 TIER_HEADER = "x-inferd-tier"  # a request may ask for a lower tier than its tenant's, never a higher one
 QUEUE_TIMEOUT_HEADER = "x-inferd-queue-timeout"  # seconds the request may wait for a worker (default: its tier's)
-DEFAULT_TENANT = Tenant("default")  # the tenant of the single --api-key
 
 
 @dataclass
@@ -678,7 +677,7 @@ class Gatekeeper:
         if path.startswith("/admin/"):
             return self._check_admin_key(scope)
         if not state.authenticates:
-            scope[TENANT] = _ANONYMOUS
+            scope[TENANT] = ANONYMOUS_TENANT
             return self._check_loopback_host(scope)
         if path in _PUBLIC_PATHS:
             return None
@@ -740,7 +739,6 @@ class Gatekeeper:
         return None, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 
 
-_ANONYMOUS = Tenant(ANONYMOUS)
 TENANT_DETAIL = "inferd.tenant_detail"  # a scope key: this request may see per-tenant metrics
 
 

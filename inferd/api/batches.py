@@ -1,42 +1,43 @@
-"""The Batch API: `/v1/files` and `/v1/batches` as OpenAI defines them, durable, run through the gateway in the
-batch tier.
+"""The Batch API's store: `/v1/files` and `/v1/batches` as OpenAI defines them, durable. The runner that runs the
+lines is batch_runner.py, the validation of an input file batch_input.py, the routes batch_routes.py.
 
 State lives in SQLite (`STATE_DIR/batches.sqlite3`, WAL) and files on disk (`STATE_DIR/files/`): a batch's lines
 are stored at validation, each line's result is recorded once (an UPDATE guarded by the line still being pending),
 and a server killed at any point resumes where it was when it starts again: a line that was running at the crash runs
 again, a batch that was finalizing is finalized again, so every custom_id appears exactly once in the output or the
-error file.
+error file. A finished batch's lines are deleted with the transaction that finishes it (its output and error files
+hold them), a deleted file takes what is stored for it, a finished batch and its output go after the retention
+period, and the database gives the freed pages back to the filesystem (incremental auto_vacuum, the WAL truncated
+after each big delete). Everything is the server's owner's alone: the folders 0700, the files 0600.
 
-The runner sends pending lines through the same admission as HTTP requests (the batch owner's quota, fair sharing,
-the waiting line) in the `batch` tier, so interactive traffic goes first and preempts them on the workers; how many
-lines it keeps in flight adapts to what the service takes: +1 after a served line, halved when the gateway answers
-"busy" (503, 429), between 1 and `--batch-concurrency`.
+Owners are tenant identities (Tenant.identity: "key:NAME" or "builtin:NAME"), never bare names, so that a keys-file
+tenant can never be mistaken for a built-in one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import os
 import re
 import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import (BATCH_BUSY_COOLDOWN_S, BATCH_RETRY_S, BUSY_BATCH_CONCURRENCY, DEFAULT_BATCH_CONCURRENCY, MAX_ACTIVE_BATCHES_PER_TENANT, MAX_BATCH_LINES,
-                      MAX_BATCH_WINDOW_S, MAX_FILE_BYTES, MAX_FILES_PER_TENANT)
+from ..config import MAX_ACTIVE_BATCHES_PER_TENANT, MAX_BATCH_WINDOW_S
 from .errors import APIError, invalid
-
-log = logging.getLogger("inferd.batches")
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINISHED = ("completed", "failed", "expired", "cancelled")
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
+DB_NAME = "batches.sqlite3"
+STORE_CHUNK_BYTES = 4 << 20  # a validated file's lines are written this much per transaction ...
+DELETE_CHUNK_LINES = 500  # ... and a finished batch's deleted this many at a time: the WAL holds a transaction whole
+WAL_LIMIT_BYTES = 64 << 20  # the WAL is cut back to this after a checkpoint (a big batch's lines can make it large)
+SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = tenants stored as identities ("key:NAME", "builtin:NAME")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -53,6 +54,7 @@ CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     status TEXT NOT NULL, result TEXT, PRIMARY KEY (batch_id, line_no));
 CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, status);
+CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant);
 """
 
 
@@ -73,25 +75,44 @@ def _now() -> int:
 
 
 class BatchStore:
-    """SQLite and the files folder. Every method is short and synchronous (a lock around one connection); the
-    long ones (reading an input file, writing an output file) run in a thread (asyncio.to_thread)."""
+    """SQLite and the files folder. Every method is synchronous (a lock around one connection) and the API process
+    calls them in a thread (asyncio.to_thread): none runs on the event loop.
 
-    def __init__(self, state_dir: str | os.PathLike):
+    storage_quota: the bytes of files (uploads and outputs) one tenant may keep; an upload past it is refused (an
+    output file is always written: its batch ran). The lines of a running batch are held in the database on top of
+    that, until the batch finishes."""
+
+    def __init__(self, state_dir: str | os.PathLike, storage_quota: int | None = None):
         self.dir = Path(state_dir)
         self.files_dir = self.dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.dir / "batches.sqlite3", check_same_thread=False, isolation_level=None)
+        self.storage_quota = storage_quota
+        private_dir(self.dir)
+        private_dir(self.files_dir)
+        db_path = self.dir / DB_NAME
+        for suffix in ("", "-wal", "-shm"):  # SQLite gives the -wal and -shm it creates the database's mode
+            private_file(Path(f"{db_path}{suffix}"), create=not suffix)
+        self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
+        fresh = not self._db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone()
+        if fresh or self._db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+            # pages freed by deletes go back to the filesystem (PRAGMA incremental_vacuum); a database made before
+            # takes the setting with one VACUUM
+            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            if not fresh:
+                self._db.execute("VACUUM")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
+        self._db.execute("PRAGMA secure_delete=ON")  # a deleted tenant's data is zeroed, not left in free pages
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
+        self._migrate()
         self._drop_orphans()
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _q(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    def _q(self, sql: str, args: tuple = ()) -> list[dict]:
         with self._lock:
             cur = self._db.execute(sql, args)
             cols = [c[0] for c in cur.description] if cur.description else []
@@ -108,30 +129,87 @@ class BatchStore:
             self._db.execute("COMMIT")
             return out
 
+    def _migrate(self) -> None:
+        """Databases written before tenants were stored as identities held bare names; those of the built-in
+        tenants ("anonymous", "default", the only ones a keys file could not have meant) become theirs."""
+        def upgrade(db):
+            if db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+                return
+            for table in ("files", "batches"):
+                db.execute(f"UPDATE {table} SET tenant = CASE WHEN tenant IN ('anonymous', 'default') "
+                           f"THEN 'builtin:' || tenant ELSE 'key:' || tenant END")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+        self._tx(upgrade)
+
     def _drop_orphans(self) -> None:
-        """Files on disk that no row names (a crash between writing an output file and recording it)."""
+        """Files on disk that no row names (a crash between writing an output file and recording it, or in the middle
+        of an upload), and the lines of batches that finished or are gone (a database written before lines were
+        deleted with their batch)."""
         known = {r["id"] for r in self._q("SELECT id FROM files")}
         for path in self.files_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)
+            else:
+                private_file(path)
+        marks = ", ".join("?" * len(ACTIVE))
+        for row in self._q(f"SELECT DISTINCT batch_id FROM lines WHERE batch_id NOT IN (SELECT id FROM batches "
+                           f"WHERE status IN ({marks}))", ACTIVE):
+            self.drop_lines(row["batch_id"])
+        self.reclaim()
+
+    def drop_lines(self, batch_id: str) -> None:
+        """Deletes a batch's lines, DELETE_CHUNK_LINES per transaction with a checkpoint after each: secure_delete
+        writes every freed page, and one transaction would put the whole batch through the WAL."""
+        while True:
+            gone = self._tx(lambda db: db.execute(
+                "DELETE FROM lines WHERE batch_id = ? AND line_no IN (SELECT line_no FROM lines WHERE batch_id = ? "
+                "ORDER BY line_no LIMIT ?)", (batch_id, batch_id, DELETE_CHUNK_LINES)).rowcount)
+            with self._lock:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            if gone < DELETE_CHUNK_LINES:
+                return
+
+    def reclaim(self) -> None:
+        """Gives the pages that deletes freed back to the filesystem, and truncates the WAL (a big batch's lines or
+        their deletion pass through it whole)."""
+        with self._lock:
+            self._db.executescript("PRAGMA incremental_vacuum;")  # a script: stepped to the end (execute frees a page)
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     # ---- files ----------------------------------------------------------------------------------------------
     def path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
     def add_file(self, tenant: str, purpose: str, filename: str, source_path: Path) -> dict:
-        """Moves source_path (a complete file in the state dir's filesystem) in as a new file."""
+        """Moves source_path (a complete file in the state dir's filesystem) in as a new file: a 429
+        storage_quota_exceeded when the tenant's files would be over the quota with it."""
         file_id = "file-" + secrets.token_hex(12)
         size = source_path.stat().st_size
-        os.replace(source_path, self.path(file_id))
         row = {"id": file_id, "tenant": tenant, "purpose": purpose, "filename": filename, "bytes": size,
                "created_at": _now()}
-        self._tx(lambda db: db.execute("INSERT INTO files VALUES (:id, :tenant, :purpose, :filename, :bytes, "
-                                       ":created_at)", row))
+
+        def insert(db):
+            if self.storage_quota is not None:
+                used = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?",
+                                  (tenant,)).fetchone()[0]
+                if used + size > self.storage_quota:
+                    raise quota_exceeded(self.storage_quota, used, size)
+            os.replace(source_path, self.path(file_id))
+            db.execute("INSERT INTO files VALUES (:id, :tenant, :purpose, :filename, :bytes, :created_at)", row)
+
+        try:
+            self._tx(insert)
+        except BaseException:
+            self.path(file_id).unlink(missing_ok=True)
+            raise
         return row
 
     def count_files(self, tenant: str) -> int:
         return self._q("SELECT COUNT(*) AS n FROM files WHERE tenant = ?", (tenant,))[0]["n"]
+
+    def storage_used(self, tenant: str) -> int:
+        return self._q("SELECT COALESCE(SUM(bytes), 0) AS n FROM files WHERE tenant = ?", (tenant,))[0]["n"]
 
     def get_file(self, tenant: str, file_id: str) -> dict:
         rows = self._q("SELECT * FROM files WHERE id = ? AND tenant = ?", (file_id, tenant))
@@ -147,13 +225,23 @@ class BatchStore:
         return _page(rows, after, limit)
 
     def delete_file(self, tenant: str, file_id: str) -> None:
+        """The file, its bytes on disk and the lines of the batches it was the input of (none while one runs: the
+        input of a running batch cannot be deleted)."""
         self.get_file(tenant, file_id)
-        busy = self._q("SELECT id FROM batches WHERE input_file_id = ? AND status IN (?, ?, ?, ?)",
-                       (file_id, *ACTIVE))
-        if busy:
-            raise invalid(f"the file is the input of batch {busy[0]['id']}, which is still running", param="file_id")
-        self._tx(lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)))
+        marks = ", ".join("?" * len(ACTIVE))
+
+        def delete(db):
+            busy = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks})",
+                              (file_id, *ACTIVE)).fetchone()
+            if busy:
+                raise invalid(f"the file is the input of batch {busy[0]}, which is still running", param="file_id")
+            db.execute("DELETE FROM lines WHERE batch_id IN (SELECT id FROM batches WHERE input_file_id = ?)",
+                       (file_id,))
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+
+        self._tx(delete)
         self.path(file_id).unlink(missing_ok=True)
+        self.reclaim()
 
     # ---- batches --------------------------------------------------------------------------------------------
     def create_batch(self, tenant: str, endpoint: str, input_file_id: str, window: str, metadata: dict | None
@@ -210,33 +298,72 @@ class BatchStore:
         def update(db):
             cur = db.execute(f"UPDATE batches SET {sets} WHERE id = ? AND status IN ({marks})",
                              (*values.values(), status, batch_id, *only_from))
+            if cur.rowcount == 1 and status in FINISHED:
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
             return cur.rowcount == 1
 
         return self._tx(update)
 
     def store_lines(self, batch_id: str, lines: list[tuple[int, str, str]]) -> bool:
         """The validated lines (line number, custom_id, body JSON), and in_progress; False if the batch left
-        validating meanwhile (cancelled)."""
-        def insert(db):
-            if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] != "validating":
+        validating meanwhile (cancelled). Written a few megabytes per transaction, so that the WAL (which holds a
+        transaction whole) stays small; a crash in between leaves the batch validating, validated again at start."""
+        def still_validating(db) -> bool:
+            row = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            return row is not None and row[0] == "validating"
+
+        def clear(db):
+            if still_validating(db):
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # a validation cut short by a crash
+                return True
+            return False
+
+        def insert(chunk):
+            def run(db):
+                if not still_validating(db):
+                    return False
+                db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
+                               [(batch_id, n, cid, body) for n, cid, body in chunk])
+                return True
+            return run
+
+        def start(db):
+            if not still_validating(db):
                 return False
-            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # a validation cut short by a crash
-            db.executemany("INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
-                           [(batch_id, n, cid, body) for n, cid, body in lines])
             db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, total = ? WHERE id = ?",
                        (_now(), len(lines), batch_id))
             return True
 
-        return self._tx(insert)
+        if not self._tx(clear):
+            return False
+        chunk, size = [], 0
+        for item in lines:
+            chunk.append(item)
+            size += len(item[2])
+            if size >= STORE_CHUNK_BYTES:
+                if not self._tx(insert(chunk)):
+                    return False
+                chunk, size = [], 0
+        if chunk and not self._tx(insert(chunk)):
+            return False
+        return self._tx(start)
 
     def pending_lines(self, batch_id: str, exclude: set[int], limit: int) -> list[dict]:
-        rows = self._q("SELECT line_no, custom_id, body FROM lines WHERE batch_id = ? AND status = 'pending' "
-                       "ORDER BY line_no LIMIT ?", (batch_id, limit + len(exclude)))
-        return [r for r in rows if r["line_no"] not in exclude][:limit]
+        """Up to limit pending lines not in exclude, first in the file first (only those are read whole: a body can
+        be as large as an HTTP request's)."""
+        numbers = [r["line_no"] for r in self._q("SELECT line_no FROM lines WHERE batch_id = ? AND status = "
+                                                 "'pending' ORDER BY line_no LIMIT ?", (batch_id, limit + len(exclude)))]
+        chosen = [n for n in numbers if n not in exclude][:limit]
+        if not chosen:
+            return []
+        marks = ", ".join("?" * len(chosen))
+        return self._q(f"SELECT line_no, custom_id, body FROM lines WHERE batch_id = ? AND line_no IN ({marks}) "
+                       f"ORDER BY line_no", (batch_id, *chosen))
 
-    def count_pending(self, batch_id: str) -> int:
-        return self._q("SELECT COUNT(*) AS n FROM lines WHERE batch_id = ? AND status = 'pending'",
-                       (batch_id,))[0]["n"]
+    def with_pending(self, batch_ids: list[str]) -> set[str]:
+        """Those of the batches that have a line still to run."""
+        return {b for b in batch_ids if self._q("SELECT 1 FROM lines WHERE batch_id = ? AND status = 'pending' "
+                                                "LIMIT 1", (b,))}
 
     def record(self, batch_id: str, line_no: int, ok: bool, result: dict) -> bool:
         """A line's result, once: False if it was recorded before (or the batch ended)."""
@@ -253,8 +380,9 @@ class BatchStore:
 
     def finalize(self, batch: dict, final_status: str, unfinished_code: str | None) -> None:
         """Writes the output and error files (lines in input order; lines never run: an error with
-        unfinished_code, for an expired or cancelled batch) and moves the batch to final_status. Idempotent: a
-        crash before the last transaction leaves the batch as it was (its files orphans, dropped at start)."""
+        unfinished_code, for an expired or cancelled batch), moves the batch to final_status
+        in one transaction, then deletes its lines. Idempotent: a crash before that transaction leaves the batch as it
+        was (its files orphans, dropped at start)."""
         batch_id = batch["id"]
         rows = self._q("SELECT line_no, custom_id, status, result FROM lines WHERE batch_id = ? ORDER BY line_no",
                        (batch_id,))
@@ -273,7 +401,7 @@ class BatchStore:
                 continue
             file_id = "file-" + secrets.token_hex(12)
             tmp = self.files_dir / f".{file_id}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -282,11 +410,11 @@ class BatchStore:
                          "filename": f"{batch_id}_{suffix}.jsonl", "bytes": self.path(file_id).stat().st_size,
                          "created_at": _now()}
         unrun = sum(1 for r in rows if r["status"] == "pending") if unfinished_code else 0
+        del rows, out_lines, err_lines
         stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
 
         def commit(db):
-            if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] in \
-                    ("completed", "expired", "cancelled", "failed"):
+            if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] in FINISHED:
                 return False
             for f in made.values():
                 db.execute("INSERT INTO files VALUES (:id, :tenant, :purpose, :filename, :bytes, :created_at)", f)
@@ -294,13 +422,60 @@ class BatchStore:
                        f"failed = failed + ? WHERE id = ?",
                        (final_status, _now(), made.get("output_file_id", {}).get("id"),
                         made.get("error_file_id", {}).get("id"), unrun, batch_id))
-            if unfinished_code:
-                db.execute("UPDATE lines SET status = 'error' WHERE batch_id = ? AND status = 'pending'", (batch_id,))
             return True
 
         if not self._tx(commit):
             for f in made.values():
                 self.path(f["id"]).unlink(missing_ok=True)
+        self.drop_lines(batch_id)  # the output and error files hold them now (after a crash here: dropped at start)
+        self.reclaim()
+
+    def sweep(self, retention_s: float, now: float | None = None) -> int:
+        """Deletes the batches that finished more than retention_s ago, with their output and error files (their
+        input, the tenant's upload, stays until the tenant deletes it). Returns how many went."""
+        cutoff = (time.time() if now is None else now) - retention_s
+        marks = ", ".join("?" * len(FINISHED))
+
+        def delete(db):
+            old = db.execute(f"SELECT id, output_file_id, error_file_id FROM batches WHERE status IN ({marks}) AND "
+                             f"COALESCE(completed_at, failed_at, expired_at, cancelled_at) <= ?",
+                             (*FINISHED, cutoff)).fetchall()
+            files = [f for _, out, err in old for f in (out, err) if f]
+            for batch_id, _, _ in old:
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+                db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
+            for file_id in files:
+                db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            return len(old), files
+
+        count, files = self._tx(delete)
+        for file_id in files:
+            self.path(file_id).unlink(missing_ok=True)
+        if count:
+            self.reclaim()
+        return count
+
+
+def private_dir(path: Path) -> None:
+    """A folder only the server's user may enter (made so, or set so if it was there)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def private_file(path: Path, create: bool = False) -> None:
+    """A file only the server's user may read (made so when create, or set so if it was there)."""
+    if create:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    try:
+        os.chmod(path, 0o600)
+    except FileNotFoundError:
+        pass
+
+
+def quota_exceeded(quota: int, used: int, size: int) -> APIError:
+    return APIError(429, f"this tenant's files take {used} bytes and the upload {size} more: over its storage quota "
+                    f"of {quota} bytes (--batch-storage-per-tenant); delete files first", "insufficient_quota",
+                    param="file", code="storage_quota_exceeded")
 
 
 _UNFINISHED = {"batch_expired": "This request could not be executed before the completion window expired.",
@@ -337,192 +512,3 @@ def batch_object(row: dict) -> dict:
             "cancelling_at": row["cancelling_at"], "cancelled_at": row["cancelled_at"],
             "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
             "metadata": json.loads(row["metadata"]) if row["metadata"] else None}
-
-
-def parse_input(path: Path, endpoint: str) -> tuple[list[tuple[int, str, str]], list[dict]]:
-    """(lines, errors) of an input file: each line a JSON object {custom_id, method: POST, url: the batch's
-    endpoint, body: an object}, custom_ids unique, at most MAX_BATCH_LINES. errors: OpenAI's batch error objects,
-    each naming its line (1-based). Blank lines are skipped."""
-    lines, errors, seen = [], [], set()
-
-    def err(n: int, code: str, message: str, param: str | None = None) -> None:
-        if len(errors) < 100:  # the first hundred say enough
-            errors.append({"code": code, "message": message, "param": param, "line": n})
-
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            if len(lines) >= MAX_BATCH_LINES:
-                err(n, "too_many_lines", f"the file has more than {MAX_BATCH_LINES} requests (MAX_BATCH_LINES)")
-                break
-            try:
-                item = json.loads(raw)
-            except ValueError as e:
-                err(n, "invalid_json_line", f"line {n} is not valid JSON: {e}")
-                continue
-            if not isinstance(item, dict):
-                err(n, "invalid_request", f"line {n} must be a JSON object")
-                continue
-            cid = item.get("custom_id")
-            if not isinstance(cid, str) or not cid or len(cid) > 512:
-                err(n, "missing_required_parameter", f"line {n} needs a custom_id (a string of 1-512 characters)",
-                    "custom_id")
-                continue
-            if cid in seen:
-                err(n, "duplicate_custom_id", f"line {n}: the custom_id {cid!r} is used by an earlier line",
-                    "custom_id")
-                continue
-            seen.add(cid)
-            if item.get("method") != "POST":
-                err(n, "invalid_method", f"line {n}: method must be POST", "method")
-                continue
-            if item.get("url") != endpoint:
-                err(n, "mismatched_url", f"line {n}: url {item.get('url')!r} is not the batch's endpoint {endpoint}",
-                    "url")
-                continue
-            if not isinstance(item.get("body"), dict):
-                err(n, "invalid_request", f"line {n}: body must be a JSON object", "body")
-                continue
-            extra = set(item) - {"custom_id", "method", "url", "body"}
-            if extra:
-                err(n, "invalid_request", f"line {n}: unknown field(s) {', '.join(sorted(extra))}")
-                continue
-            lines.append((n, cid, json.dumps(item["body"], ensure_ascii=False)))
-    if not lines and not errors:
-        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None,
-                       "line": None})
-    return lines, errors
-
-
-@dataclass
-class LineOutcome:
-    status: int  # the HTTP status the request would have had
-    body: dict  # the response body, or the error body
-    retry: bool = False  # the service was busy (503, 429): run the line again later
-
-
-class BatchRunner:
-    """Runs the pending lines of every in-progress batch, resumes after a restart, finalizes, expires, cancels.
-
-    execute(tenant name, endpoint, body) -> LineOutcome runs one request through the gateway (the API process's
-    own path, in the batch tier)."""
-
-    def __init__(self, store: BatchStore, execute, max_concurrency: int = DEFAULT_BATCH_CONCURRENCY,
-                 interactive_busy: Callable[[], int] = lambda: 0):
-        self.store = store
-        self.execute = execute
-        # more important work (interactive, standard) running or waiting: lines are then sent one at a time, so that
-        # the batch fills the capacity that work leaves idle instead of sharing every step with it
-        self.interactive_busy = interactive_busy
-        self.max_concurrency = max(1, max_concurrency)
-        self.concurrency = min(4, self.max_concurrency)
-        self._inflight: dict[tuple[str, int], asyncio.Task] = {}
-        self._retry_at: dict[tuple[str, int], float] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.lines_done = 0
-        self._busy_at = float("-inf")  # when more important work was last seen
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for task in list(self._inflight.values()):
-            task.cancel()
-        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("the batch runner failed a round; trying again")
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _tick(self) -> None:
-        store, now = self.store, time.time()
-        for batch in store.batches_in("validating"):
-            await self._validate(batch)
-        for batch in store.batches_in("cancelling"):
-            self._cancel_inflight(batch["id"])
-            if not any(k[0] == batch["id"] for k in self._inflight):
-                await asyncio.to_thread(store.finalize, batch, "cancelled", "batch_cancelled")
-        for batch in store.batches_in("in_progress", "finalizing"):
-            if batch["status"] == "in_progress" and now >= batch["expires_at"]:
-                self._cancel_inflight(batch["id"])
-                if not any(k[0] == batch["id"] for k in self._inflight):
-                    await asyncio.to_thread(store.finalize, batch, "expired", "batch_expired")
-                continue
-            if batch["status"] == "finalizing" or store.count_pending(batch["id"]) == 0:
-                if not any(k[0] == batch["id"] for k in self._inflight):
-                    store.set_status(batch["id"], "finalizing", ("in_progress",))
-                    await asyncio.to_thread(store.finalize, batch, "completed", None)
-                continue
-            if self.interactive_busy():
-                self._busy_at = now
-            quiet = now - self._busy_at >= BATCH_BUSY_COOLDOWN_S
-            limit = self.concurrency if quiet else min(self.concurrency, BUSY_BATCH_CONCURRENCY)
-            room = limit - len(self._inflight)
-            if room <= 0:
-                continue
-            busy = {k[1] for k in self._inflight if k[0] == batch["id"]}
-            waiting = {k[1] for k, t in self._retry_at.items() if k[0] == batch["id"] and t > now}
-            for line in store.pending_lines(batch["id"], busy | waiting, room):
-                key = (batch["id"], line["line_no"])
-                self._retry_at.pop(key, None)
-                self._inflight[key] = asyncio.get_running_loop().create_task(self._line(batch, line))
-
-    def _cancel_inflight(self, batch_id: str) -> None:
-        for key, task in list(self._inflight.items()):
-            if key[0] == batch_id:
-                task.cancel()
-
-    async def _validate(self, batch: dict) -> None:
-        path = self.store.path(batch["input_file_id"])
-        if not path.exists():
-            self.store.set_status(batch["id"], "failed", ("validating",), errors=json.dumps([
-                {"code": "file_not_found", "message": "the input file is gone", "param": "input_file_id",
-                 "line": None}]))
-            return
-        lines, errors = await asyncio.to_thread(parse_input, path, batch["endpoint"])
-        if errors:
-            self.store.set_status(batch["id"], "failed", ("validating",), errors=json.dumps(errors))
-            return
-        self.store.store_lines(batch["id"], lines)
-
-    async def _line(self, batch: dict, line: dict) -> None:
-        key = (batch["id"], line["line_no"])
-        try:
-            outcome = await self.execute(batch["tenant"], batch["endpoint"], json.loads(line["body"]))
-            if outcome.retry:
-                self.concurrency = max(1, self.concurrency // 2)
-                self._retry_at[key] = time.time() + BATCH_RETRY_S
-                return
-            self.concurrency = min(self.max_concurrency, self.concurrency + 1)
-            request_id = "batch_req_" + secrets.token_hex(12)
-            result = {"id": request_id, "custom_id": line["custom_id"],
-                      "response": {"status_code": outcome.status, "request_id": request_id, "body": outcome.body},
-                      "error": None}
-            self.store.record(batch["id"], line["line_no"], outcome.status == 200, result)
-            self.lines_done += 1
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("batch %s line %d failed in the runner; it runs again", batch["id"], line["line_no"])
-            self._retry_at[key] = time.time() + BATCH_RETRY_S
-        finally:
-            self._inflight.pop(key, None)
-            self._wake.set()

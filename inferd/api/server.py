@@ -16,8 +16,9 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..config import DEFAULT_BATCH_CONCURRENCY
+from ..config import BATCH_RETENTION_S, BATCH_STORAGE_PER_TENANT, DEFAULT_BATCH_CONCURRENCY
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS,
                       DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_RATE_WINDOW_S, DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S,
                       DEFAULT_WORKER_QUEUE_DEPTH, HTTP_KEEP_ALIVE_S, KEYS_POLL_S, MAX_REQUEST_BODY_BYTES,
@@ -75,6 +76,8 @@ class ServeOptions:
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
+    batch_storage_per_tenant: int | None = BATCH_STORAGE_PER_TENANT  # bytes of Batch API files a tenant keeps
+    batch_retention: float | None = BATCH_RETENTION_S  # seconds a finished batch and its output are kept
     embedding_models: list[EmbeddingModelSpec] = field(default_factory=list)  # embedding models served beside
     embedding_workers: list[str] = field(default_factory=list)  # HOST:PORT of the (one) embedding model's workers
     admin_key: str | None = None  # the admin API (/admin/...): rollouts
@@ -201,7 +204,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
         await _stop_all(embeds)
         return 1
     extras = _start_cluster_services(opts, state, backend)
-    batch_lock = _start_batches(state, opts)
+    batch_lock = await _start_batches(state, opts)
     shown = f"[{host}]" if ":" in host else host
     print(f"READY http://{shown}:{port}", flush=True)
     if state.authenticates:
@@ -285,25 +288,28 @@ async def _stop_all(embeds: list[_EmbeddingBackend]) -> None:
     await asyncio.gather(*(e.stop() for e in embeds), return_exceptions=True)
 
 
-def _start_batches(state, opts: ServeOptions):
+async def _start_batches(state, opts: ServeOptions):
     """The Batch API on opts.state_dir, owned by this server alone (an exclusive lock on the folder: a second
-    server pointed at it runs without the Batch API rather than run the same batches twice). Returns the lock's
-    file, to close at exit."""
+    server pointed at it runs without the Batch API rather than run the same batches twice), the folder 0700 and
+    its files 0600. Returns the lock's file, to close at exit."""
     if not opts.state_dir:
         return None
     import fcntl
 
     from .batch_routes import start_batches
+    from .batches import private_dir
 
-    os.makedirs(opts.state_dir, exist_ok=True)
-    lock = open(os.path.join(opts.state_dir, "lock"), "w")
+    private_dir(Path(opts.state_dir))
+    lock = os.fdopen(os.open(os.path.join(opts.state_dir, "lock"), os.O_WRONLY | os.O_CREAT, 0o600), "w")
+    os.fchmod(lock.fileno(), 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.close()
         log.warning("the Batch API is off: another server holds the state dir %s", opts.state_dir)
         return None
-    start_batches(state, opts.state_dir, opts.batch_concurrency)
+    await start_batches(state, opts.state_dir, opts.batch_concurrency, opts.batch_storage_per_tenant,
+                        opts.batch_retention)
     log.info("Batch API: state in %s", opts.state_dir)
     return lock
 

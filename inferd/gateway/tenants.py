@@ -28,6 +28,10 @@ from .limits import TenantLimits
 KEY_PREFIX = "sk-inferd-"
 _KEY_RE = re.compile(r"^sk-inferd-([0-9a-f]{12})-([A-Za-z0-9_-]{43})$")
 ANONYMOUS = "anonymous"  # the tenant of every request when the server has no keys (loopback only)
+DEFAULT = "default"  # the tenant of the single --api-key
+# the built-in tenants' names, which a keys file may not use: a keys-file tenant named like one would share its
+# quota counters, and could be taken for it
+RESERVED_NAMES = (ANONYMOUS, DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,22 @@ class Tenant:
     weight: float = 1.0
     # tenants of the same cache group share cached prompt prefixes; without one a tenant shares with nobody
     cache_group: str | None = None
+    # one of the server's own tenants (ANONYMOUS_TENANT, DEFAULT_TENANT), never one of a keys file (from_dict
+    # refuses the field): what tells them apart, whatever the names
+    builtin: bool = field(default=False, repr=False)
+
+    @property
+    def identity(self) -> str:
+        """Who owns what is stored (the Batch API's files and batches): "builtin:NAME" or "key:NAME", so that no
+        keys-file tenant can ever be the owner of a built-in tenant's things."""
+        return f"{'builtin' if self.builtin else 'key'}:{self.name}"
 
     @property
     def cache_salt(self) -> str:
         """The prefix cache's salt for this tenant's requests (inferd/engine/kv_cache.py hash_block_tokens): its
         cache group's, else its own. A digest: of fixed length whatever the name, and the workers (perhaps another
         operator's machines) learn no tenant or group names from it."""
-        owner = f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.name}"
+        owner = f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.identity}"
         return hashlib.sha256(owner.encode()).hexdigest()
 
     @property
@@ -68,6 +81,9 @@ class Tenant:
             raise ValueError(f"weight must be > 0, got {self.weight!r}")
         if not self.name or not isinstance(self.name, str):
             raise ValueError("a tenant needs a name")
+        if not self.builtin and self.name in RESERVED_NAMES:
+            raise ValueError(f"the tenant name {self.name!r} is reserved for the server's built-in tenant "
+                             f"({', '.join(RESERVED_NAMES)} are): choose another name")
         if self.cache_group is not None and (not isinstance(self.cache_group, str) or not self.cache_group
                                              or len(self.cache_group) > MAX_IDENTIFIER_CHARS):
             raise ValueError(f"cache_group must be a non-empty name of at most {MAX_IDENTIFIER_CHARS} characters, "
@@ -130,7 +146,11 @@ class KeyStore:
     @classmethod
     def from_dict(cls, data: dict, where: str = "keys file") -> "KeyStore":
         try:
-            tenants = {name: Tenant(name=name, **fields) for name, fields in data.get("tenants", {}).items()}
+            tenants = {}
+            for name, fields in data.get("tenants", {}).items():
+                if not isinstance(fields, dict) or "builtin" in fields or "name" in fields:
+                    raise ValueError(f"tenant {name!r}: its settings must be an object of {', '.join(_SETTINGS)}")
+                tenants[name] = Tenant(name=name, **fields)
             for t in tenants.values():
                 t.validate()
             keys = {k["id"]: KeyRecord(**k) for k in data.get("keys", [])}
@@ -139,7 +159,7 @@ class KeyStore:
         return cls(tenants, keys)
 
     def to_dict(self) -> dict:
-        return {"tenants": {n: {k: v for k, v in asdict(t).items() if k != "name"} for n, t in self.tenants.items()},
+        return {"tenants": {n: {k: v for k, v in asdict(t).items() if k in _SETTINGS} for n, t in self.tenants.items()},
                 "keys": [asdict(k) for k in self.keys.values()]}
 
     def save(self, path: str) -> None:
@@ -156,6 +176,11 @@ class KeyStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group")  # a tenant's fields in the keys file
+ANONYMOUS_TENANT = Tenant(ANONYMOUS, builtin=True)
+DEFAULT_TENANT = Tenant(DEFAULT, builtin=True)
 
 
 def new_key() -> tuple[str, str]:
@@ -182,7 +207,7 @@ def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None 
     with locked(path):
         store = KeyStore.load(path)
         old = store.tenants.get(tenant)
-        fields = asdict(old) if old is not None else {"name": tenant}
+        fields = {"name": tenant, **({k: getattr(old, k) for k in _SETTINGS} if old is not None else {})}
         for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
                             ("weight", weight), ("cache_group", cache_group)):
             if value is not None:

@@ -103,6 +103,9 @@ class Metrics:
                                    registry=r)
         r.register(_EngineCollector(model, engine_stats))
         r.register(_WorkerCollector(workers, affinity))
+        self.batch_lines = Counter("inferd_batch_lines", "Batch API lines by outcome: ok, error (the line's result "
+                                   "is an error), retried (the service was busy: it runs again later), invalid "
+                                   "(refused when its input file was validated)", ["outcome"], registry=r)
         self.sse_write_timeouts = Counter("inferd_sse_write_timeouts", "Streams closed because their client read "
                                           "nothing for --sse-write-timeout", registry=r)
         self._gateway = None

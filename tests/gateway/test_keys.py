@@ -113,3 +113,38 @@ def test_serve_refuses_a_public_address_without_keys(tmp_path, smollm2_gguf_path
     out = _inferd("serve", "--host", "0.0.0.0", "--port", "0", "--model", smollm2_gguf_path)
     assert out.returncode == 2
     assert "without API keys" in out.stderr and "loopback" in out.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["anonymous", "default"])
+def test_the_built_in_tenants_names_are_reserved(tmp_path, name, tiny_llama_dir):
+    """A keys-file tenant named like a built-in one would share its quota counters and could be taken for it (a
+    batch of a tenant named anonymous ran without its quota; one named default saw the --api-key operator's
+    files): the keys file may not hold one, whoever writes it."""
+    path = tmp_path / "keys.json"
+    with pytest.raises(ValueError, match="reserved"):
+        create_key(str(path), name)
+    cli = _inferd("keys", "create", "--keys", str(path), "--tenant", name)
+    assert cli.returncode == 2 and "reserved" in cli.stderr and not path.exists()
+    create_key(str(path), "acme")
+    data = json.loads(path.read_text())
+    data["tenants"][name] = {"tier": "standard"}  # written by hand
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="reserved"):
+        KeyStore.load(str(path))
+    served = _inferd("serve", "--port", "0", "--model", str(tiny_llama_dir), "--echo", "--keys", str(path))
+    assert served.returncode == 1 and "reserved" in served.stderr  # refused at start, with the reason
+    data["tenants"].pop(name)
+    data["tenants"]["acme"]["builtin"] = True  # nor may a file make its tenant a built-in one
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="acme"):
+        KeyStore.load(str(path))
+
+
+def test_stored_things_are_owned_by_identities_that_never_collide():
+    from inferd.gateway.tenants import ANONYMOUS_TENANT, DEFAULT_TENANT
+
+    assert (ANONYMOUS_TENANT.identity, DEFAULT_TENANT.identity) == ("builtin:anonymous", "builtin:default")
+    # a keys-file tenant is never a built-in one, whatever its name (even one loaded before names were reserved)
+    assert Tenant("anonymous").identity == "key:anonymous" != ANONYMOUS_TENANT.identity
+    assert Tenant("anonymous").cache_salt != ANONYMOUS_TENANT.cache_salt

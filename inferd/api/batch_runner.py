@@ -1,0 +1,359 @@
+"""The Batch API's runner: validates new batches, runs the pending lines of every batch in progress, resumes after a
+restart, finalizes, expires, cancels, and sweeps finished batches out after the retention period.
+
+Lines go through the same admission as HTTP requests (the batch owner's quota, fair sharing, the waiting line) in
+the `batch` tier, so interactive traffic goes first and preempts them on the workers. Between tenants the runner is
+fair and keeps them apart:
+- the tenants with work take turns (round robin), whatever the age of their batches;
+- each tenant has its own concurrency, which adapts to what the service takes for it: +1 after a served line, halved
+  when its line was refused as "busy" (503, a 429 of its rate or concurrency limits), between 1 and
+  `--batch-concurrency`; all of them together stay under `--batch-concurrency` (one at a time while more important
+  work runs);
+- only busy answers are retried, after a back-off (BATCH_RETRY_S doubled at each, up to BATCH_RETRY_MAX_S); any
+  other answer (a 4xx that is the line's own fault, a 429 that can never fit such as request_too_large) is the line's
+  result, at once;
+- each batch's validation and finalization is a task of its own, whose failure (even an unexpected exception) is
+  that batch's alone: the batch fails, or its step is tried again after a back-off; the loop never stops for it.
+Everything that touches the store or a file runs in a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from ..config import (BATCH_BUSY_COOLDOWN_S, BATCH_RETENTION_S, BATCH_RETRY_MAX_S, BATCH_RETRY_S,
+                      BATCH_SWEEP_INTERVAL_S, BATCH_VALIDATIONS, BUSY_BATCH_CONCURRENCY, DEFAULT_BATCH_CONCURRENCY,
+                      MAX_REQUEST_BODY_BYTES)
+from .batch_input import parse_input
+from .batches import ACTIVE, BatchStore
+
+log = logging.getLogger("inferd.batches")
+
+TICK_S = 0.25  # the runner looks at the batches this often when nothing wakes it
+INITIAL_TENANT_CONCURRENCY = 4  # a tenant's lines in flight at first (then it adapts)
+
+
+@dataclass
+class LineOutcome:
+    status: int  # the HTTP status the request would have had
+    body: dict  # the response body, or the error body
+    retry: bool = False  # the service was busy (503, a 429 rate or concurrency limit): run the line again later
+    retry_after: float | None = None  # the answer's Retry-After, seconds
+
+
+def backoff(attempt: int, retry_after: float | None = None) -> float:
+    """The pause before the attempt-th retry: BATCH_RETRY_S doubled at each, at least the answer's Retry-After,
+    at most BATCH_RETRY_MAX_S."""
+    delay = BATCH_RETRY_S * 2 ** min(max(attempt - 1, 0), 16)
+    return min(BATCH_RETRY_MAX_S, max(delay, retry_after or 0.0))
+
+
+class BatchRunner:
+    """execute(tenant identity, endpoint, body JSON text) -> LineOutcome runs one request through the gateway (the
+    API process's own path, in the batch tier). count(outcome, n) counts lines: "ok", "error" (the line's result is
+    an error), "retried" (busy: it runs again later), "invalid" (refused when its file was validated)."""
+
+    def __init__(self, store: BatchStore, execute: Callable[[str, str, str], Awaitable[LineOutcome]],
+                 max_concurrency: int = DEFAULT_BATCH_CONCURRENCY, interactive_busy: Callable[[], int] = lambda: 0,
+                 max_line_bytes: int = MAX_REQUEST_BODY_BYTES, retention_s: float | None = BATCH_RETENTION_S,
+                 count: Callable[[str, int], None] = lambda outcome, n: None):
+        self.store = store
+        self.execute = execute
+        # more important work (interactive, standard) running or waiting: lines are then sent one at a time, so that
+        # the batch fills the capacity that work leaves idle instead of sharing every step with it
+        self.interactive_busy = interactive_busy
+        self.max_concurrency = max(1, max_concurrency)
+        self.max_line_bytes = max_line_bytes
+        self.retention_s = retention_s
+        self.count = count
+        self._inflight: dict[tuple[str, int], tuple[str, asyncio.Task]] = {}  # (batch, line) -> (tenant, task)
+        self._retry_at: dict[tuple[str, int], float] = {}
+        self._attempts: dict[tuple[str, int], int] = {}
+        self._tenant_limit: dict[str, int] = {}  # each tenant's adaptive concurrency
+        self._last_tenant: str | None = None  # the tenant served last: the next round starts after it
+        self._steps: dict[str, asyncio.Task] = {}  # batch id -> its validation or finalization
+        self._held_until: dict[str, float] = {}  # batch id -> when a step that failed may run again
+        self._step_failures: dict[str, int] = {}
+        self._traced: set[str] = set()  # batches whose lines' unexpected failures were logged with a traceback
+        self._validations = asyncio.Semaphore(BATCH_VALIDATIONS)
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.lines_done = 0
+        self._busy_at = float("-inf")  # when more important work was last seen
+
+    # ---- the loops --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run())]
+        if self.retention_s is not None:
+            self._tasks.append(loop.create_task(self._sweep()))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._steps.values(), *(t for _, t in self._inflight.values())]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def tenant_concurrency(self, tenant: str) -> int:
+        return self._tenant_limit.get(tenant, min(INITIAL_TENANT_CONCURRENCY, self.max_concurrency))
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            pause = TICK_S
+            try:
+                await self._tick()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store itself failed (each batch's own failures are caught where they happen)
+                failures += 1
+                pause = backoff(failures)
+                log.exception("the batch runner could not read its batches; trying again in %.1f s", pause)
+            self._wake.clear()
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that comes as the event is set
+                async with asyncio.timeout(pause):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _sweep(self) -> None:
+        """Finished batches and their output files go once they are retention_s old."""
+        interval = min(BATCH_SWEEP_INTERVAL_S, self.retention_s / 2)
+        while True:
+            try:
+                gone = await asyncio.to_thread(self.store.sweep, self.retention_s)
+                if gone:
+                    log.info("removed %d batches finished over %g s ago (--batch-retention)", gone, self.retention_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the batch retention sweep failed; trying again in %g s", interval)
+            await asyncio.sleep(interval)
+
+    async def _tick(self) -> None:
+        store, now = self.store, time.time()
+        batches = await asyncio.to_thread(store.batches_in, *ACTIVE)
+        active = {b["id"] for b in batches}
+        for table in (self._held_until, self._step_failures):
+            for batch_id in [k for k in table if k not in active]:
+                del table[batch_id]
+        running = [b["id"] for b in batches if b["status"] == "in_progress" and b["id"] not in self._steps]
+        has_pending = await asyncio.to_thread(store.with_pending, running) if running else set()
+        runnable = []
+        for batch in batches:
+            batch_id, status = batch["id"], batch["status"]
+            if batch_id in self._steps or self._held_until.get(batch_id, 0.0) > now:
+                continue
+            if status == "validating":
+                self._step(batch, self._validate(batch))
+            elif status == "cancelling":
+                if self._cancel_inflight(batch_id):
+                    self._step(batch, self._finalize(batch, "cancelled", "batch_cancelled"))
+            elif status == "in_progress" and now >= batch["expires_at"]:
+                if self._cancel_inflight(batch_id):
+                    self._step(batch, self._finalize(batch, "expired", "batch_expired"))
+            elif status == "finalizing" or batch_id not in has_pending:
+                if not self._inflight_of(batch_id):
+                    self._step(batch, self._finalize(batch, "completed", None))
+            else:
+                runnable.append(batch)
+        await self._schedule(runnable, now)
+
+    # ---- lines --------------------------------------------------------------------------------------------------
+    async def _schedule(self, runnable: list[dict], now: float) -> None:
+        """Starts lines of the runnable batches: their tenants in turn, each up to its own concurrency, all of them
+        up to the runner's."""
+        if self.interactive_busy():
+            self._busy_at = now
+        quiet = now - self._busy_at >= BATCH_BUSY_COOLDOWN_S
+        cap = self.max_concurrency if quiet else min(self.max_concurrency, BUSY_BATCH_CONCURRENCY)
+        by_tenant: dict[str, list[dict]] = {}
+        for batch in runnable:
+            by_tenant.setdefault(batch["tenant"], []).append(batch)
+        busy_tenants = {tenant for tenant, _ in self._inflight.values()}
+        for tenant in [t for t in self._tenant_limit if t not in by_tenant and t not in busy_tenants]:
+            del self._tenant_limit[tenant]  # nothing left to run: it starts afresh next time
+        room = cap - len(self._inflight)
+        if room <= 0 or not by_tenant:
+            return
+        names = sorted(by_tenant)
+        if self._last_tenant is not None:  # round robin: start after the tenant served last
+            cut = next((i for i, t in enumerate(names) if t > self._last_tenant), 0)
+            names = names[cut:] + names[:cut]
+        in_flight = {}
+        for tenant, _ in self._inflight.values():
+            in_flight[tenant] = in_flight.get(tenant, 0) + 1
+        wants = []  # (tenant, [(batch, lines excluded)], how many)
+        for tenant in names:
+            n = min(room, self.tenant_concurrency(tenant) - in_flight.get(tenant, 0))
+            if n > 0:
+                wants.append((tenant, [(b, self._excluded(b["id"], now)) for b in by_tenant[tenant]], n))
+        if not wants:
+            return
+        found = await asyncio.to_thread(self._candidates, wants)
+        queues = {tenant: deque(lines) for tenant, lines in found.items()}
+        while room > 0 and any(queues.values()):
+            for tenant in names:
+                if room > 0 and queues.get(tenant):
+                    batch, line = queues[tenant].popleft()
+                    key = (batch["id"], line["line_no"])
+                    if key in self._inflight:
+                        continue
+                    self._retry_at.pop(key, None)
+                    task = asyncio.get_running_loop().create_task(self._line(batch, line))
+                    self._inflight[key] = (tenant, task)
+                    self._last_tenant = tenant
+                    room -= 1
+
+    def _candidates(self, wants: list) -> dict[str, list[tuple[dict, dict]]]:
+        """(In a thread.) Up to n pending lines of each tenant, from its batches oldest first."""
+        out = {}
+        for tenant, batches, n in wants:
+            picked = []
+            for batch, exclude in batches:
+                if len(picked) >= n:
+                    break
+                picked += [(batch, line) for line in self.store.pending_lines(batch["id"], exclude, n - len(picked))]
+            out[tenant] = picked
+        return out
+
+    def _excluded(self, batch_id: str, now: float) -> set[int]:
+        """The batch's lines in flight or waiting for their retry."""
+        busy = {k[1] for k in self._inflight if k[0] == batch_id}
+        return busy | {k[1] for k, t in self._retry_at.items() if k[0] == batch_id and t > now}
+
+    def _inflight_of(self, batch_id: str) -> bool:
+        return any(k[0] == batch_id for k in self._inflight)
+
+    def _cancel_inflight(self, batch_id: str) -> bool:
+        """Cancels the batch's lines in flight; True when none is left."""
+        for key, (_, task) in list(self._inflight.items()):
+            if key[0] == batch_id:
+                task.cancel()
+        return not self._inflight_of(batch_id)
+
+    async def _line(self, batch: dict, line: dict) -> None:
+        key = (batch["id"], line["line_no"])
+        tenant = batch["tenant"]
+        outcome = None
+        try:
+            outcome = await self.execute(tenant, batch["endpoint"], line["body"])
+            if outcome.retry:
+                self._tenant_limit[tenant] = max(1, self.tenant_concurrency(tenant) // 2)
+                self._retry_later(key, outcome.retry_after)
+                self.count("retried", 1)
+                return
+            self._tenant_limit[tenant] = min(self.max_concurrency, self.tenant_concurrency(tenant) + 1)
+            await self._record(batch, line, outcome)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if outcome is None:  # never expected (execute answers every failure): the line's result is a 500
+                log.error("batch %s line %d failed in the runner", batch["id"], line["line_no"],
+                          exc_info=batch["id"] not in self._traced)  # a traceback once per batch: no flood
+                self._traced.add(batch["id"])
+                try:
+                    await self._record(batch, line, LineOutcome(500, {"error": {
+                        "message": "the server failed this request", "type": "server_error", "param": None,
+                        "code": "internal_error"}}))
+                    return
+                except Exception:
+                    pass
+            log.exception("batch %s line %d: its result could not be stored; it runs again", batch["id"],
+                          line["line_no"])
+            self._retry_later(key, None)
+        finally:
+            self._inflight.pop(key, None)
+            self._wake.set()
+
+    async def _record(self, batch: dict, line: dict, outcome: LineOutcome) -> None:
+        key = (batch["id"], line["line_no"])
+        request_id = "batch_req_" + secrets.token_hex(12)
+        result = {"id": request_id, "custom_id": line["custom_id"],
+                  "response": {"status_code": outcome.status, "request_id": request_id, "body": outcome.body},
+                  "error": None}
+        await asyncio.to_thread(self.store.record, batch["id"], line["line_no"], outcome.status == 200, result)
+        self._retry_at.pop(key, None)
+        self._attempts.pop(key, None)
+        self.count("ok" if outcome.status == 200 else "error", 1)
+        self.lines_done += 1
+
+    def _retry_later(self, key: tuple[str, int], retry_after: float | None) -> None:
+        attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+        self._retry_at[key] = time.time() + backoff(attempt, retry_after)
+
+    # ---- a batch's steps --------------------------------------------------------------------------------------
+    def _step(self, batch: dict, step: Awaitable[None]) -> None:
+        """Runs a batch's validation or finalization as its own task: its failure is the batch's alone."""
+        batch_id = batch["id"]
+
+        async def guarded() -> None:
+            try:
+                await step
+                self._step_failures.pop(batch_id, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await self._step_failed(batch, e)
+            finally:
+                self._steps.pop(batch_id, None)
+                self._wake.set()
+
+        self._steps[batch_id] = asyncio.get_running_loop().create_task(guarded())
+
+    async def _step_failed(self, batch: dict, error: Exception) -> None:
+        """A validation that failed fails its batch (reading the same file again would fail the same way); a
+        finalization (the disk, the database) is tried again after a back-off, logged once per try."""
+        batch_id = batch["id"]
+        n = self._step_failures[batch_id] = self._step_failures.get(batch_id, 0) + 1
+        pause = backoff(n)
+        self._held_until[batch_id] = time.time() + pause
+        log.error("batch %s: its %s failed (%s: %s); %s", batch_id, batch["status"], type(error).__name__, error,
+                  "the batch fails" if batch["status"] == "validating" else f"trying again in {pause:.0f} s",
+                  exc_info=n == 1)
+        if batch["status"] == "validating":
+            errors = [{"code": "validation_failed", "message": f"the server could not validate the input file "
+                       f"({type(error).__name__})", "param": "input_file_id", "line": None}]
+            try:
+                await asyncio.to_thread(self.store.set_status, batch_id, "failed", ("validating",),
+                                        errors=json.dumps(errors))
+            except Exception:
+                log.exception("batch %s could not be marked failed; trying again in %.0f s", batch_id, pause)
+
+    async def _validate(self, batch: dict) -> None:
+        store = self.store
+        async with self._validations:
+            try:
+                lines, errors, refused = await asyncio.to_thread(parse_input, store.path(batch["input_file_id"]),
+                                                                 batch["endpoint"], self.max_line_bytes)
+            except FileNotFoundError:
+                lines, refused = [], 0
+                errors = [{"code": "file_not_found", "message": "the input file is gone", "param": "input_file_id",
+                           "line": None}]
+            if refused:
+                self.count("invalid", refused)
+            if errors:
+                await asyncio.to_thread(store.set_status, batch["id"], "failed", ("validating",),
+                                        errors=json.dumps(errors))
+            else:
+                await asyncio.to_thread(store.store_lines, batch["id"], lines)
+
+    async def _finalize(self, batch: dict, status: str, unfinished_code: str | None) -> None:
+        if status == "completed":
+            await asyncio.to_thread(self.store.set_status, batch["id"], "finalizing", ("in_progress",))
+        await asyncio.to_thread(self.store.finalize, batch, status, unfinished_code)
+        for table in (self._retry_at, self._attempts):
+            for key in [k for k in table if k[0] == batch["id"]]:
+                del table[key]
+        self._traced.discard(batch["id"])
