@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -736,10 +737,34 @@ class Gatekeeper:
                 return too_large, receive
             chunks.append(body)
             more = message.get("more_body", False)
-        return None, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+        body = b"".join(chunks)
+        if _MAYBE_LONE_SURROGATE.search(body) and await asyncio.to_thread(_has_lone_surrogate, body):
+            return APIError(400, "the request body holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): "
+                            "that is not Unicode text", code="invalid_unicode"), receive
+        return None, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
 TENANT_DETAIL = "inferd.tenant_detail"  # a scope key: this request may see per-tenant metrics
+
+
+# a JSON escape of a high surrogate not followed by a low one, a low one not after a high one, or a surrogate in
+# UTF-8 form (which json.loads lets through): a quick screen of the raw body, confirmed by _has_lone_surrogate (an
+# escaped backslash before "ud800" matches here, and is not one)
+_MAYBE_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """Whether the JSON body's strings (keys included) hold a lone surrogate, which tokenizers, the stores and every
+    encoder downstream refuse. A body that does not parse is left to the route (its own 400)."""
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 def _bearer_matches(scope, key: str) -> bool:

@@ -99,6 +99,21 @@ def test_special_token_text_in_a_name_or_tool_call_id_is_refused(keyed):
     assert r.status_code == 200, r.text  # in a content it is plain text, as before
 
 
+def test_a_lone_surrogate_is_a_400_wherever_it_is(keyed):
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or store takes: a prompt holding one
+    was a 500. Refused at the door with its own code; a proper pair (an emoji escaped) still passes."""
+    headers = {**bearer(keyed.keys["a"]), "content-type": "application/json"}
+    bodies = {"/v1/completions": b'{"model": "tiny", "prompt": "a\\ud800", "max_tokens": 2}',
+              "/tokenize": b'{"model": "tiny", "prompt": "\\udc00 b"}',
+              "/v1/chat/completions": b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'}
+    for path, body in bodies.items():
+        r = httpx.post(keyed.url + path, content=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", (path, r.text)
+    r = httpx.post(keyed.url + "/v1/completions", headers=headers, timeout=60,
+                   content=b'{"model": "tiny", "prompt": "a\\ud83d\\ude00 \\\\ud800", "max_tokens": 2}')
+    assert r.status_code == 200, r.text  # a pair, and an escaped backslash before "ud800": no surrogate at all
+
+
 def test_refusals_after_tokenizing_are_counted(keyed):
     """A prompt refused for its length once tokenized: the work it cost shows in a metric."""
     def refused() -> float:
