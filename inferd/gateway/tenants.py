@@ -40,6 +40,9 @@ class Tenant:
     weight: float = 1.0
     # tenants of the same cache group share cached prompt prefixes; without one a tenant shares with nobody
     cache_group: str | None = None
+    # the free-form `grammar` kind of structured outputs (EBNF, whose matching cost the client controls: a 403
+    # grammar_not_allowed when false); JSON schemas, regexes, choices and tools stay allowed
+    allow_grammar: bool = True
 
     @property
     def cache_salt(self) -> str:
@@ -64,6 +67,8 @@ class Tenant:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or absent, got {value!r}")
+        if not isinstance(self.allow_grammar, bool):
+            raise ValueError(f"allow_grammar must be true or false, got {self.allow_grammar!r}")
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
             raise ValueError(f"weight must be > 0, got {self.weight!r}")
         if not self.name or not isinstance(self.name, str):
@@ -139,7 +144,10 @@ class KeyStore:
         return cls(tenants, keys)
 
     def to_dict(self) -> dict:
-        return {"tenants": {n: {k: v for k, v in asdict(t).items() if k != "name"} for n, t in self.tenants.items()},
+        # allow_grammar only when false: files without it stay readable by versions that do not know it
+        return {"tenants": {n: {k: v for k, v in asdict(t).items()
+                                if k != "name" and not (k == "allow_grammar" and v is True)}
+                            for n, t in self.tenants.items()},
                 "keys": [asdict(k) for k in self.keys.values()]}
 
     def save(self, path: str) -> None:
@@ -177,14 +185,14 @@ def locked(path: str):
 
 def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None = None, tpm: int | None = None,
                max_concurrency: int | None = None, weight: float | None = None,
-               cache_group: str | None = None) -> tuple[str, Tenant]:
+               cache_group: str | None = None, allow_grammar: bool | None = None) -> tuple[str, Tenant]:
     """Adds a key for tenant (created, or updated with the settings given) and returns (the key, the tenant)."""
     with locked(path):
         store = KeyStore.load(path)
         old = store.tenants.get(tenant)
         fields = asdict(old) if old is not None else {"name": tenant}
         for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
-                            ("weight", weight), ("cache_group", cache_group)):
+                            ("weight", weight), ("cache_group", cache_group), ("allow_grammar", allow_grammar)):
             if value is not None:
                 fields[name] = value
         new_tenant = Tenant(**fields)
