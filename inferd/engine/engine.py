@@ -76,6 +76,15 @@ def check_batch_invariant(config: EngineConfig) -> None:
                          "their matmul kernels, split-K among them, by the batched matmuls' batch count)")
 
 
+def check_grammar_budgets(config: EngineConfig) -> None:
+    """ValueError for structured outputs' budgets that cannot work (before anything loads)."""
+    budgets = (config.grammar_mask_budget_ms, config.grammar_mask_budget_s, config.grammar_compile_timeout_s)
+    if not all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in budgets):
+        raise ValueError(f"the grammar budgets must be > 0, got {budgets}")
+    if not (isinstance(config.grammar_compile_processes, int) and config.grammar_compile_processes >= 1):
+        raise ValueError(f"grammar_compile_processes must be at least 1, got {config.grammar_compile_processes!r}")
+
+
 def check_speculative(config: EngineConfig) -> None:
     """ValueError for speculative settings that can't run (before anything loads)."""
     if config.speculative is None:
@@ -102,6 +111,7 @@ class Engine:
                              "build the engine with Engine.from_config")
         check_speculative(config)
         check_batch_invariant(config)
+        check_grammar_budgets(config)
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
@@ -163,6 +173,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, config.device)
         check_speculative(config)
         check_batch_invariant(config)
+        check_grammar_budgets(config)
         check_quantization(config.quantize, dtype)  # before anything loads or starts
         resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
         if torch.device(config.device).type == "cuda":
@@ -378,7 +389,7 @@ class Engine:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
         row = 0
         for req, drafts, num_logits in samplers:
-            if req.is_finished:  # its grammar ran out of time in this step (failed above): its rows are dropped
+            if accepted is not None and req.is_finished:  # its grammar ran out of time (failed above): rows dropped
                 row += num_logits
                 continue
             out = None

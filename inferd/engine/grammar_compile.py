@@ -89,8 +89,9 @@ class _Slot:
         self.thread.start()
 
     def kill(self) -> None:
+        """Called by another thread: a signal only (the slot's thread alone waits for the process)."""
         proc = self.proc
-        if proc is not None and proc.is_alive():
+        if proc is not None:
             proc.kill()  # the thread sees the pipe close and starts another process for the next compile
 
     def _start(self) -> None:
@@ -99,11 +100,10 @@ class _Slot:
         proc = ctx.Process(target=_child_main, args=(child,), name="inferd-grammar-compile", daemon=True)
         proc.start()
         child.close()
+        self.proc, self.conn = proc, parent  # from here kill() reaches it, and _stop() cleans it up
         parent.send_bytes(self.service.tokenizer_json)
         if not parent.poll(GRAMMAR_COMPILE_START_TIMEOUT_S) or parent.recv_bytes() != b"ready":
-            proc.kill()
             raise GrammarCompileError("the grammar compile process did not start")
-        self.proc, self.conn = proc, parent
 
     def _stop(self) -> None:
         if self.proc is not None:
@@ -123,6 +123,8 @@ class _Slot:
                 if self.proc is None or not self.proc.is_alive():
                     self._stop()
                     self._start()
+                if not service._wanted(job):  # every waiter left while the process started
+                    continue
                 started = time.monotonic()
                 self.conn.send_bytes(json.dumps(job.key).encode())
                 if not self.conn.poll(service.timeout_s):  # past its budget: the process goes with it
@@ -134,7 +136,7 @@ class _Slot:
                     continue
                 reply = self.conn.recv_bytes(service.max_reply_bytes)
                 seconds = time.monotonic() - started
-            except (EOFError, OSError, GrammarCompileError) as e:  # killed (every waiter aborted) or crashed
+            except Exception as e:  # noqa: BLE001 - killed (every waiter left), crashed or could not start
                 self._stop()
                 service._done(job, error=GrammarCompileError(f"the grammar compile process ended: {e!r}"))
                 continue
@@ -248,6 +250,10 @@ class GrammarCompileService:
             job.slot = slot
             slot.job = job
             return job
+
+    def _wanted(self, job: _Compile) -> bool:
+        with self._lock:
+            return self._compiling.get(job.key) is job
 
     def _done(self, job: _Compile, result=None, error: BaseException | None = None) -> None:
         with self._lock:
