@@ -99,14 +99,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          f"(default {DEFAULT_SPECULATIVE_MAX_BATCH})")
     g = p.add_argument_group("structured outputs' time budgets (a request past one ends with grammar_too_slow)")
     g.add_argument("--grammar-mask-budget-ms", type=positive_float, default=GRAMMAR_MASK_BUDGET_MS_PER_STEP,
-                   help="one request's grammar work (token mask + accepting the sampled token) per token of a step: "
-                        "past it the step stops waiting for it (default "
+                   help="one request's grammar work (token mask + accepting the sampled token), in CPU time, per token "
+                        "of a step: past it the step stops waiting for it (default "
                         f"{GRAMMAR_MASK_BUDGET_MS_PER_STEP:g}; honest grammars take well under 5)")
     g.add_argument("--grammar-mask-budget-s", type=positive_float, default=GRAMMAR_MASK_BUDGET_S,
                    help=f"one request's grammar work over its whole output (default {GRAMMAR_MASK_BUDGET_S:g})")
     g.add_argument("--grammar-compile-timeout", type=positive_float, default=GRAMMAR_COMPILE_TIMEOUT_S,
-                   metavar="SECONDS", help="a grammar compile running longer is killed with its process "
-                   f"(default {GRAMMAR_COMPILE_TIMEOUT_S:g})")
+                   metavar="SECONDS", help="a grammar compile that used this much CPU time is killed with its "
+                   f"process (default {GRAMMAR_COMPILE_TIMEOUT_S:g})")
     g.add_argument("--grammar-compile-processes", type=positive_int, default=GRAMMAR_COMPILE_PROCESSES,
                    metavar="N", help="grammar compiles run at once, each in a process of its own "
                    f"(default {GRAMMAR_COMPILE_PROCESSES})")

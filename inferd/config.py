@@ -70,9 +70,11 @@ GRAMMAR_MASK_BUDGET_MS_PER_STEP = 50.0
 # would otherwise tax every step of its neighbours for as long as it runs; 8k honest tokens cost ~3.5 s)
 GRAMMAR_MASK_BUDGET_S = 10.0
 GRAMMAR_MASK_THREADS = 4  # threads that fill masks (beside the forward pass) and accept tokens
-# `--grammar-compile-timeout`: a compile still running after this is killed with its process and its requests end
-# with `grammar_too_slow` (15x the slowest honest compile measured above)
+# `--grammar-compile-timeout`: a compile that used this much CPU time is killed with its process and its requests end
+# with `grammar_too_slow` (15x the slowest honest compile measured above). CPU time, as the masks' budgets: compiles
+# run at a lower priority than the steps, and on a busy host an honest one can wait long for a core
 GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+GRAMMAR_COMPILE_WALL_FACTOR = 6.0  # ... and one starved of CPU is killed after this many times that in wall time
 # `--grammar-compile-processes`: compiles that run at once, each in a process of its own (killed on timeout or when
 # every request waiting for it was aborted), so one slow compile never holds the others
 GRAMMAR_COMPILE_PROCESSES = 2

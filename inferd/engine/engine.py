@@ -10,7 +10,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -53,6 +53,14 @@ class StepStats:
     # the last step alone: seconds, prefill tokens, decode tokens (speculative rows included), bytes read, FLOPs
     last: tuple[float, int, int, int, int] = (0.0, 0, 0, 0, 0)
     last_spec: tuple[int, int] = (0, 0)  # the last step's draft tokens verified, and accepted
+
+
+class _Masks(NamedTuple):
+    """A step's mask fills, started before its forward pass (Engine._start_masks)."""
+    bitmask: torch.Tensor
+    jobs: list[Job]
+    submitted: float  # time.monotonic() when the jobs were submitted
+    spent: dict[str, float]  # request id -> CPU seconds its fill took (what its accept may still use of the step)
 
 
 def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -378,7 +386,7 @@ class Engine:
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in row_reqs],
                                                [r.params.seed for r in row_reqs], positions, raw_logits)
         # the constrained rows' matchers take the sampled tokens (on the grammar threads, within their budgets)
-        accepted = self._accept_tokens(samplers, tokens, masks[2]) if masks is not None else None
+        accepted = self._accept_tokens(samplers, tokens, masks.spent) if masks is not None else None
         stats = self.stats
         stats.num_steps += 1
         stats.num_tokens += sched.num_tokens
@@ -467,7 +475,7 @@ class Engine:
                               torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
 
     # ---- grammars in the step (grammar_budget.py) -----------------------------------------------------------
-    def _start_masks(self, samplers: list[tuple[Request, list[int], int]]):
+    def _start_masks(self, samplers: list[tuple[Request, list[int], int]]) -> _Masks | None:
         """Starts the fills of the constrained rows' masks on the grammar threads (the forward pass runs meanwhile);
         None when no row has a grammar. A request verifying k drafts has k + 1 rows: row j's mask is its grammar's
         after drafts[:j] (accepted on the matcher for the fill, then rolled back), so drafts that break the grammar
@@ -484,20 +492,19 @@ class Engine:
         bitmask = allocate_bitmask(rows, self.model_config.vocab_size)  # row r of the bitmask masks logits row r
         for job in jobs:
             job.fn = functools.partial(job.fn, bitmask)
-        return bitmask, jobs, {}, self._grammar_work.start(jobs)
+        return _Masks(bitmask, jobs, self._grammar_work.start(jobs), {})
 
     @torch.inference_mode()
-    def _apply_masks(self, logits: torch.Tensor, masks) -> None:
+    def _apply_masks(self, logits: torch.Tensor, masks: _Masks) -> None:
         """Waits for the fills (each within its request's budget) and applies the masks; a request whose fill ran
         out of time ends with grammar_too_slow (its rows are left unmasked and dropped)."""
-        bitmask, jobs, spent, submitted = masks
-        self._grammar_work.wait(jobs, submitted)
+        self._grammar_work.wait(masks.jobs, masks.submitted)
         masked: list[int] = []
-        for job in jobs:
-            spent[job.owner.request_id] = job.seconds
+        for job in masks.jobs:
+            masks.spent[job.owner.request_id] = job.seconds
             if self._within_budget(job, "filling its token mask"):
                 masked.extend(job.result)
-        apply_bitmask(logits, bitmask, masked)
+        apply_bitmask(logits, masks.bitmask, masked)
 
     def _accept_tokens(self, samplers: list[tuple[Request, list[int], int]], tokens: list[int],
                        spent: dict[str, float]) -> dict[str, list[tuple[bool, bool]]]:

@@ -1,5 +1,6 @@
-"""Grammar compiles that can be abandoned: each runs in a child process, killed when it runs past its time budget or
-when every request waiting for it was aborted.
+"""Grammar compiles that can be abandoned: each runs in a child process, killed when it has used its budget of CPU
+time (or GRAMMAR_COMPILE_WALL_FACTOR times that in wall time, starved of CPU) or when every request waiting for it was
+aborted.
 
 Why processes: xgrammar's compile is one C++ call. A thread running it cannot be stopped (an abort would leave it
 burning a core, and every compile queued behind it waiting, for as long as the grammar takes: seconds for a large
@@ -20,18 +21,31 @@ import json
 import logging
 import multiprocessing
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..config import GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILE_START_TIMEOUT_S
+from ..config import GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILE_START_TIMEOUT_S, GRAMMAR_COMPILE_WALL_FACTOR
 from .grammar_budget import GrammarTooSlow
 
 log = logging.getLogger("inferd.engine")
 CHILD_NICE = 10  # compiles yield the CPU to the engine's steps
 MAX_ERROR_BYTES = 2048  # a compile error's message, as sent back
+POLL_S = 0.05  # how often a compile's CPU time is read against its budget
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user + system) a process has used, None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK_S
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class GrammarCompileError(RuntimeError):
@@ -52,6 +66,7 @@ def _child_main(conn) -> None:
         os.nice(CHILD_NICE)
     except OSError:
         pass
+    _exit_with_worker(conn)
     import xgrammar
 
     from .structured import compile_constraint
@@ -69,6 +84,24 @@ def _child_main(conn) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the request, the process carries on
             out = b"er" + (str(e).strip() or type(e).__name__).encode()[:MAX_ERROR_BYTES]
         conn.send_bytes(out)
+
+
+def _exit_with_worker(conn) -> None:
+    """Exit, mid-compile too, once the worker's end of the pipe closes (the worker died). Not the parent process:
+    that is the forkserver, which lives as long as any process it forked."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the pipe is a socket pair: peek without consuming
+
+    def watch() -> None:
+        while True:
+            try:
+                data = sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            if not data:
+                os._exit(1)
+            time.sleep(0.05)  # a message waits for the main thread to read it
+
+    threading.Thread(target=watch, name="inferd-grammar-worker-watch", daemon=True).start()
 
 
 def _context():
@@ -112,6 +145,17 @@ class _Slot:
             self.conn.close()
         self.proc = self.conn = None
 
+    def _wait_reply(self, cpu_before: float | None, started: float) -> bool:
+        """True once the process answers (or its pipe closes); False when the compile used its budget of CPU time,
+        or GRAMMAR_COMPILE_WALL_FACTOR times that in wall time (a compile starved of CPU)."""
+        budget = self.service.timeout_s
+        while not self.conn.poll(POLL_S):
+            now = cpu_seconds(self.proc.pid)
+            used = now - cpu_before if now is not None and cpu_before is not None else time.monotonic() - started
+            if used >= budget or time.monotonic() - started >= budget * GRAMMAR_COMPILE_WALL_FACTOR:
+                return False
+        return True
+
     def _run(self) -> None:
         service = self.service
         while True:
@@ -126,13 +170,14 @@ class _Slot:
                 if not service._wanted(job):  # every waiter left while the process started
                     continue
                 started = time.monotonic()
+                cpu_before = cpu_seconds(self.proc.pid)
                 self.conn.send_bytes(json.dumps(job.key).encode())
-                if not self.conn.poll(service.timeout_s):  # past its budget: the process goes with it
+                if not self._wait_reply(cpu_before, started):  # past its budget: the process goes with it
                     self._stop()
                     service._done(job, error=GrammarTooSlow(
                         f"compiling the request's grammar took longer than its budget of {service.timeout_s:g} s "
-                        "(GRAMMAR_COMPILE_TIMEOUT_S, --grammar-compile-timeout): use a smaller or less ambiguous "
-                        "grammar"))
+                        "of CPU time (GRAMMAR_COMPILE_TIMEOUT_S, --grammar-compile-timeout): use a smaller or less "
+                        "ambiguous grammar"))
                     continue
                 reply = self.conn.recv_bytes(service.max_reply_bytes)
                 seconds = time.monotonic() - started

@@ -89,6 +89,7 @@ def test_an_ambiguous_grammar_ends_with_grammar_too_slow_and_spares_the_next_req
     finally:
         hostile.stop.set()
         hostile.join(600)
+    alone = max(alone, victim_latency(server))  # alone before and after: the host's load may change meanwhile
     assert beside <= 2 * alone + 1.0, f"the next request took {beside:.2f} s, {alone:.2f} s alone"
     assert hostile.error is not None, f"the hostile grammar ran on ({hostile.tokens} tokens)"
     assert hostile.error["code"] == "grammar_too_slow" and hostile.error["type"] == "invalid_request_error"
