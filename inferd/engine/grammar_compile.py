@@ -32,7 +32,9 @@ from ..config import GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILE_START_TIMEOUT_S, GRAMM
 from .grammar_budget import GrammarTooSlow
 
 log = logging.getLogger("inferd.engine")
-CHILD_NICE = 10  # compiles yield the CPU to the engine's steps
+# compiles yield the CPU to the engine's steps. Not the forkserver: its one start per worker (importing xgrammar and
+# torch, ~2 s of CPU) at a low priority would leave the first constrained request waiting behind a busy engine
+COMPILE_NICE = 10
 MAX_ERROR_BYTES = 2048  # a compile error's message, as sent back
 POLL_S = 0.05  # how often a compile's CPU time is read against its budget
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -63,7 +65,7 @@ def _child_main(conn) -> None:
     """A compile process: the TokenizerInfo first, then (kind, text) -> b"ok" + the serialized CompiledGrammar, or
     b"er" + the error, until the pipe closes."""
     try:
-        os.nice(CHILD_NICE)
+        os.nice(COMPILE_NICE)
     except OSError:
         pass
     _exit_with_worker(conn)
