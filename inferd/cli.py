@@ -23,6 +23,8 @@ from .config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_WORKERS, DEFAULT_MI
                      WORKER_START_TIMEOUT_S)
 from .config import (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_SPECULATIVE_MAX_BATCH,
                      MAX_NUM_DRAFT, SPECULATIVE_METHODS)
+from .config import (GRAMMAR_COMPILE_PROCESSES, GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_MASK_BUDGET_MS_PER_STEP,
+                     GRAMMAR_MASK_BUDGET_S)
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HOST,
                      DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_PORT, DEFAULT_QUEUE_TIMEOUT_S,
@@ -106,6 +108,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative-max-batch", type=int, default=DEFAULT_SPECULATIVE_MAX_BATCH,
                     help="no drafts in a step with more decoding sequences than this "
                          f"(default {DEFAULT_SPECULATIVE_MAX_BATCH})")
+    g = p.add_argument_group("structured outputs' time budgets (a request past one ends with grammar_too_slow)")
+    g.add_argument("--grammar-mask-budget-ms", type=positive_float, default=GRAMMAR_MASK_BUDGET_MS_PER_STEP,
+                   help="one request's grammar work (token mask + accepting the sampled token), in CPU time, per token "
+                        "of a step: past it the step stops waiting for it (default "
+                        f"{GRAMMAR_MASK_BUDGET_MS_PER_STEP:g}; honest grammars take well under 5)")
+    g.add_argument("--grammar-mask-budget-s", type=positive_float, default=GRAMMAR_MASK_BUDGET_S,
+                   help=f"one request's grammar work over its whole output (default {GRAMMAR_MASK_BUDGET_S:g})")
+    g.add_argument("--grammar-compile-timeout", type=positive_float, default=GRAMMAR_COMPILE_TIMEOUT_S,
+                   metavar="SECONDS", help="a grammar compile that used this much CPU time is killed with its "
+                   f"process (default {GRAMMAR_COMPILE_TIMEOUT_S:g})")
+    g.add_argument("--grammar-compile-processes", type=positive_int, default=GRAMMAR_COMPILE_PROCESSES,
+                   metavar="N", help="grammar compiles run at once, each in a process of its own "
+                   f"(default {GRAMMAR_COMPILE_PROCESSES})")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -119,7 +134,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_draft=args.num_draft,
                         ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                         speculative_max_batch=args.speculative_max_batch, cuda_graphs=not args.no_cuda_graphs,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, grammar_mask_budget_ms=args.grammar_mask_budget_ms,
+                        grammar_mask_budget_s=args.grammar_mask_budget_s,
+                        grammar_compile_timeout_s=args.grammar_compile_timeout,
+                        grammar_compile_processes=args.grammar_compile_processes)
 
 
 def _stream(engine, request_id: str, out=sys.stdout) -> None:
@@ -236,6 +254,14 @@ def worker_args(args: argparse.Namespace, model_path: str) -> list[str]:
                 str(args.speculative_max_batch)]
     if getattr(args, "echo", False):
         out.append("--echo")
+    for flag, value, default in (("--grammar-mask-budget-ms", args.grammar_mask_budget_ms,
+                                  GRAMMAR_MASK_BUDGET_MS_PER_STEP),
+                                 ("--grammar-mask-budget-s", args.grammar_mask_budget_s, GRAMMAR_MASK_BUDGET_S),
+                                 ("--grammar-compile-timeout", args.grammar_compile_timeout, GRAMMAR_COMPILE_TIMEOUT_S),
+                                 ("--grammar-compile-processes", args.grammar_compile_processes,
+                                  GRAMMAR_COMPILE_PROCESSES)):
+        if value != default:
+            out += [flag, str(value)]
     return out
 
 
@@ -399,7 +425,7 @@ def _run_server(args: argparse.Namespace, model_path: str, **backend) -> int:
                         http_keep_alive=args.http_keep_alive,
                         worker_secret=worker_secret, metrics_key=metrics_key,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window, rollout=rollout_targets(args),
-                        tool_call_parser=args.tool_call_parser,
+                        tool_call_parser=args.tool_call_parser, allow_grammar=not args.no_grammar,
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
                         batch_concurrency=args.batch_concurrency,
                         batch_storage_per_tenant=args.batch_storage_per_tenant or None,
@@ -532,6 +558,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls (default: from its chat template; hermes for a template "
                         "without tools, which then gets inferd's fallback tool prompt)")
+    p.add_argument("--no-grammar", action="store_true",
+                   help="refuse the free-form `grammar` kind of structured outputs (EBNF: structured_outputs.grammar, "
+                        "guided_grammar), whose matching cost the client controls, from every tenant (a 400 "
+                        "grammar_disabled); a tenant alone: allow_grammar false in the keys file")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
                    "default: $INFERD_API_KEY, else no key")
     p.add_argument("--api-key-file", default=None, metavar="FILE", help="read --api-key from a file (out of `ps`)")
@@ -756,13 +786,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.keys_command == "create":
         try:
             key, tenant = create_key(args.keys, args.tenant, args.tier, args.rpm, args.tpm, args.max_concurrency,
-                                     args.weight, args.cache_group)
+                                     args.weight, args.cache_group,
+                                     None if args.allow_grammar is None else args.allow_grammar == "yes")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(key)
         print(f"created a key for tenant {tenant.name} (tier {tenant.tier}, rpm {tenant.rpm or '-'}, tpm "
-              f"{tenant.tpm or '-'}, concurrency {tenant.max_concurrency or '-'}, weight {tenant.weight:g}) in "
+              f"{tenant.tpm or '-'}, concurrency {tenant.max_concurrency or '-'}, weight {tenant.weight:g}, grammar "
+              f"{'yes' if tenant.allow_grammar else 'no'}) in "
               f"{args.keys}; it is shown only this once", file=sys.stderr)
         return 0
     try:
@@ -771,10 +803,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.keys_command == "list":
-        print(f"{'tenant':<20} {'tier':<12} {'rpm':>8} {'tpm':>10} {'conc':>5} {'weight':>6} cache group")
+        print(f"{'tenant':<20} {'tier':<12} {'rpm':>8} {'tpm':>10} {'conc':>5} {'weight':>6} {'grammar':<7} "
+              "cache group")
         for t in store.tenants.values():
             print(f"{t.name:<20} {t.tier:<12} {t.rpm or '-':>8} {t.tpm or '-':>10} {t.max_concurrency or '-':>5} "
-                  f"{t.weight:>6g} {t.cache_group or '-'}")
+                  f"{t.weight:>6g} {'yes' if t.allow_grammar else 'no':<7} {t.cache_group or '-'}")
         print(f"\n{'key id':<14} {'tenant':<20} {'created':<20} revoked")
         for r in store.keys.values():
             revoked = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.revoked)) if r.revoked else "-"
@@ -914,6 +947,9 @@ def main(argv: list[str] | None = None) -> int:
     kc.add_argument("--cache-group", default=None, metavar="NAME",
                     help="share cached prompt prefixes with the tenants of this group (default: with nobody: a "
                     "tenant must not learn from cache hits or latency what another one sent)")
+    kc.add_argument("--allow-grammar", choices=("yes", "no"), default=None,
+                    help="whether the tenant may use the free-form `grammar` kind of structured outputs (EBNF, whose "
+                    "matching cost the client controls; no: a 403 grammar_not_allowed). Default: yes for a new tenant")
     kl = ksub.add_parser("list", help="list tenants and keys (never the keys themselves)")
     kl.add_argument("--keys", required=True, metavar="FILE")
     kr = ksub.add_parser("revoke", help="revoke a key by its id (or the whole key)")

@@ -72,6 +72,26 @@ MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's cache, least recently used out)
+# structured outputs' time budgets (inferd/engine/grammar_budget.py, grammar_compile.py): an ambiguous grammar of a few
+# dozen characters (root ::= x*, x ::= "a" | "aa" | x x) costs its matcher ~n^3 per token, and a large one can
+# compile for seconds; honest ones cost far less (on a 2-core CPU: a nested JSON schema's mask + accept 0.4 ms a
+# token on average, 4.5 ms at worst; a schema or 128 tools compile in 0.2-0.4 s)
+# `--grammar-mask-budget-ms`: one request's grammar work (mask fill + token accept) per sampled row of a step; past it
+# the request ends with `grammar_too_slow` and the step no longer waits for it (10x the worst honest cost seen)
+GRAMMAR_MASK_BUDGET_MS_PER_STEP = 50.0
+# `--grammar-mask-budget-s`: one request's grammar work over its whole life (a plateau just under the step budget
+# would otherwise tax every step of its neighbours for as long as it runs; 8k honest tokens cost ~3.5 s)
+GRAMMAR_MASK_BUDGET_S = 10.0
+GRAMMAR_MASK_THREADS = 4  # threads that fill masks (beside the forward pass) and accept tokens
+# `--grammar-compile-timeout`: a compile that used this much CPU time is killed with its process and its requests end
+# with `grammar_too_slow` (15x the slowest honest compile measured above). CPU time, as the masks' budgets: compiles
+# run at a lower priority than the steps, and on a busy host an honest one can wait long for a core
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+GRAMMAR_COMPILE_WALL_FACTOR = 6.0  # ... and one starved of CPU is killed after this many times that in wall time
+# `--grammar-compile-processes`: compiles that run at once, each in a process of its own (killed on timeout or when
+# every request waiting for it was aborted), so one slow compile never holds the others
+GRAMMAR_COMPILE_PROCESSES = 2
+GRAMMAR_COMPILE_START_TIMEOUT_S = 120.0  # a compile process that is not ready after this (importing xgrammar) failed
 # embeddings (inferd/engine/embedding.py, inferd/api/embeddings.py)
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 DEFAULT_EMBED_MAX_WAIT_MS = 5.0  # `--embed-max-wait-ms`: how long the oldest input waits for others to batch with
@@ -239,6 +259,11 @@ class EngineConfig:
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
+    # structured outputs' time budgets (the GRAMMAR_* limits above)
+    grammar_mask_budget_ms: float = GRAMMAR_MASK_BUDGET_MS_PER_STEP
+    grammar_mask_budget_s: float = GRAMMAR_MASK_BUDGET_S
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
+    grammar_compile_processes: int = GRAMMAR_COMPILE_PROCESSES
 
 
 def cpu_has_native_bf16() -> bool:

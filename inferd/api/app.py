@@ -123,12 +123,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
+        prep = await serving.prepare(body, request.scope[RECEIVED_AT], request.scope[TENANT].allow_grammar)
+        return await _generate(serving, prep, request)
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving = state.require_serving()
-        return await _generate(serving, await serving.prepare(body, request.scope[RECEIVED_AT]), request)
+        prep = await serving.prepare(body, request.scope[RECEIVED_AT], request.scope[TENANT].allow_grammar)
+        return await _generate(serving, prep, request)
 
     @app.post("/v1/embeddings", response_model=None, responses=_errors(400, 401, 404, 413, 429, 503))
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:

@@ -90,7 +90,7 @@ async def execute_line(state, identity: str, endpoint: str, body: str) -> LineOu
         if req.stream:
             raise invalid("stream is not allowed in a batch", param="stream")
         serving = state.require_serving()
-        prep = await serving.prepare(req, time.perf_counter())
+        prep = await serving.prepare(req, time.perf_counter(), tenant.allow_grammar)
         band = max(tenant.band, BATCH_BAND)
         salt = _cache_salt(tenant)
         ticket = await state.gateway.admit(tenant, band, prep.prompt_tokens, prep.reserved_tokens, None,

@@ -49,7 +49,8 @@ class StructuredOutputs(_Strict):
     json_: dict[str, Any] | bool | StrictStr | None = Field(None, alias="json")
     regex: StrictStr | None = None
     choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
-    grammar: StrictStr | None = None
+    grammar: StrictStr | None = Field(None, description="EBNF; refused where the server (--no-grammar) or the key's "
+                                      "tenant (allow_grammar: false) turned this kind off")
     json_object: StrictBool | None = None
     structural_tag: StrictStr | dict[str, Any] | None = None
 

@@ -74,6 +74,7 @@ class ServeOptions:
     worker_allow: tuple | None = None  # networks a registered worker's address must be in (None: the default list)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
     tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
+    allow_grammar: bool = True  # False (--no-grammar): the `grammar` kind of structured outputs is refused
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
     batch_storage_per_tenant: int | None = BATCH_STORAGE_PER_TENANT  # bytes of Batch API files a tenant keeps
@@ -491,7 +492,7 @@ async def _load_serving(state, opts: ServeOptions) -> None:
 
     tokenizer = await asyncio.to_thread(load_tokenizer, opts.model_path)
     state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics,
-                                  tool_call_parser=opts.tool_call_parser)
+                                  tool_call_parser=opts.tool_call_parser, allow_grammar=opts.allow_grammar)
     state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
 
 

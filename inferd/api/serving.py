@@ -69,6 +69,8 @@ def worker_error(exc: Exception) -> APIError:
     if isinstance(exc, WorkerUnavailable):  # its worker shut down and no other could take the request over
         return APIError(503, f"the request was stopped by a shutdown: {exc}", code="shutdown",
                         headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailed) and exc.code is not None:  # the request's own fault: its grammar too slow
+        return invalid(str(exc), code=exc.code)
     if isinstance(exc, RequestFailed):
         return internal_error("the engine failed this request", exc, code="engine_error")
     return internal_error("internal error", exc)
@@ -82,6 +84,8 @@ def is_server_error(exc: Exception | None) -> bool:
         return False
     if isinstance(exc, (RequestRejected, Overloaded, QueueShareExceeded, QueueTimeout, NoWorkerAvailable,
                         LimiterUnavailable, APIError)):
+        return False
+    if isinstance(exc, RequestFailed) and exc.code is not None:  # the request's own grammar ran out of time
         return False
     return isinstance(exc, (RequestFailed, WorkerDead)) or not isinstance(exc, WorkerUnavailable)
 
@@ -137,8 +141,11 @@ class ChoiceState:
 
 class OpenAIServing:
     def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, allow_grammar: bool = True):
         self.router = router
+        # the free-form `grammar` kind of structured outputs (EBNF: the one whose cost a client controls most), server
+        # wide (--no-grammar); a tenant may also be refused it (its keys-file entry's allow_grammar)
+        self.allow_grammar = allow_grammar
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
         self.native_tools = template_knows_tools(template)  # else: the fallback tool prompt (api/tools.py)
@@ -152,10 +159,13 @@ class OpenAIServing:
         self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
         self._tokenize_pool: ThreadPoolExecutor | None = None
 
-    async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float) -> Prepared:
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float,
+                      allow_grammar: bool = True) -> Prepared:
         """prepare_completion or prepare_chat; a long prompt is first bounded by its size, then tokenized off the
-        event loop (an 8 MiB prompt must not stall every stream), in a small pool of threads."""
+        event loop (an 8 MiB prompt must not stall every stream), in a small pool of threads. allow_grammar: False
+        when the request's tenant may not use the `grammar` kind of structured outputs."""
         chat = isinstance(req, ChatCompletionRequest)
+        self.check_grammar_allowed(req, allow_grammar)  # before any tokenizing or parsing
         prepare = self.prepare_chat if chat else self.prepare_completion
         chars = _prompt_chars(req)
         if chars <= TOKENIZE_INLINE_MAX_CHARS:
@@ -172,6 +182,23 @@ class OpenAIServing:
 
     # ---- preparation ----------------------------------------------------------------------------------------
     embedding_models: frozenset[str] = frozenset()  # the embedding models served beside (a 400 here, not a 404)
+
+    def check_grammar_allowed(self, req: CompletionRequest | ChatCompletionRequest, tenant_allows: bool) -> None:
+        """A request for the free-form `grammar` kind where it is off: a 400 `grammar_disabled` (the server's
+        --no-grammar) or a 403 `grammar_not_allowed` (the tenant's allow_grammar: false), before it costs anything."""
+        if self.allow_grammar and tenant_allows:
+            return
+        so = req.structured_outputs
+        param = ("structured_outputs" if so is not None and so.grammar is not None
+                 else "guided_grammar" if req.guided_grammar is not None else None)
+        if param is None:
+            return
+        if not self.allow_grammar:
+            raise invalid("this server does not accept the `grammar` kind of structured outputs (it was started with "
+                          "--no-grammar): use a JSON schema, a regex or a choice", param=param, code="grammar_disabled")
+        raise APIError(403, "this API key's tenant may not use the `grammar` kind of structured outputs (its "
+                       "allow_grammar is false): use a JSON schema, a regex or a choice", "permission_error",
+                       param=param, code="grammar_not_allowed")
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested in self.embedding_models:

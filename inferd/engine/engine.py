@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..config import MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype, resolve_kv_dtype
+from ..config import (GRAMMAR_MASK_THREADS, MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype,
+                      resolve_kv_dtype)
 from .. import kernels
 from ..models import batch_invariant
 from ..models.config import ModelConfig
@@ -27,7 +29,9 @@ from .sampler import PenaltyState, Sampler, TokenLogprob, apply_penalties_batch
 from ..telemetry.roofline import model_cost
 from .scheduler import Scheduler
 from .speculative import NgramIndex, propose_ngram
-from .structured import Constraint, GrammarCompiler, allocate_bitmask, apply_bitmask
+from .grammar_budget import GrammarTooSlow, GrammarWork, Job
+from .grammar_compile import GrammarCompileService
+from .structured import Constraint, allocate_bitmask, apply_bitmask
 
 log = logging.getLogger("inferd.engine")
 GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a grammar being compiled before it returns
@@ -51,6 +55,14 @@ class StepStats:
     last_spec: tuple[int, int] = (0, 0)  # the last step's draft tokens verified, and accepted
 
 
+class _Masks(NamedTuple):
+    """A step's mask fills, started before its forward pass (Engine._start_masks)."""
+    bitmask: torch.Tensor
+    jobs: list[Job]
+    submitted: float  # time.monotonic() when the jobs were submitted
+    spent: dict[str, float]  # request id -> CPU seconds its fill took (what its accept may still use of the step)
+
+
 def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """One request's outputs of one step (several tokens when drafts were accepted) as one output."""
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.new_text + b.new_text, b.finished,
@@ -70,6 +82,15 @@ def check_batch_invariant(config: EngineConfig) -> None:
     if not config.device.startswith("cpu"):
         raise ValueError(f"--batch-invariant is verified on CPUs only, not on {config.device!r} (GPU libraries pick "
                          "their matmul kernels, split-K among them, by the batched matmuls' batch count)")
+
+
+def check_grammar_budgets(config: EngineConfig) -> None:
+    """ValueError for structured outputs' budgets that cannot work (before anything loads)."""
+    budgets = (config.grammar_mask_budget_ms, config.grammar_mask_budget_s, config.grammar_compile_timeout_s)
+    if not all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in budgets):
+        raise ValueError(f"the grammar budgets must be > 0, got {budgets}")
+    if not (isinstance(config.grammar_compile_processes, int) and config.grammar_compile_processes >= 1):
+        raise ValueError(f"grammar_compile_processes must be at least 1, got {config.grammar_compile_processes!r}")
 
 
 def check_speculative(config: EngineConfig) -> None:
@@ -98,6 +119,7 @@ class Engine:
                              "build the engine with Engine.from_config")
         check_speculative(config)
         check_batch_invariant(config)
+        check_grammar_budgets(config)
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
@@ -135,9 +157,12 @@ class Engine:
         self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._grammars: GrammarCompileService | None = None  # built with the first constrained request
+        self._grammar_work: GrammarWork | None = None  # ... and the threads of its masks and accepts
         self._awaiting_grammar: list[Request] = []  # constrained requests whose grammar is being compiled
-        self._failed: list[tuple[str, str]] = []  # (request id, why) of requests the engine stopped on an error
+        self._replays: dict[str, Job] = {}  # request id -> the replay of its earlier tokens through its matcher
+        # (request id, why, error code or None) of requests the engine stopped on an error
+        self._failed: list[tuple[str, str, str | None]] = []
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:
             eos.update(tokenizer.eos_token_ids)
@@ -156,6 +181,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, config.device)
         check_speculative(config)
         check_batch_invariant(config)
+        check_grammar_budgets(config)
         check_quantization(config.quantize, dtype)  # before anything loads or starts
         resolve_kv_dtype(config.kv_dtype, dtype)  # likewise: an unknown --kv-dtype fails here
         if torch.device(config.device).type == "cuda":
@@ -182,6 +208,7 @@ class Engine:
             self.runner.parallel.close()
         if self._grammars is not None:
             self._grammars.close()
+            self._grammar_work.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
@@ -224,42 +251,74 @@ class Engine:
             self.scheduler.add(req)
         return request_id
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def _grammar_compiler(self) -> GrammarCompileService:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size,
-                                             sorted(self.eos_token_ids))
+            cfg = self.config
+            self._grammars = GrammarCompileService(self.tokenizer.hf, self.model_config.vocab_size,
+                                                   sorted(self.eos_token_ids), cfg.grammar_compile_processes,
+                                                   cfg.grammar_compile_timeout_s)
+            self._grammar_work = GrammarWork(GRAMMAR_MASK_THREADS)
         return self._grammars
 
     def _admit_compiled(self) -> None:
         """Constrained requests whose grammar has compiled join the scheduler (a replay's matcher first accepts
-        the tokens generated before it); a compile that failed fails its request."""
+        the tokens generated before it, on a grammar thread, within the request's whole budget); a compile that
+        failed or ran out of time fails its request."""
         still = []
         for req in self._awaiting_grammar:
             future = req.grammar_future
+            replay = self._replays.get(req.request_id)
             if not future.done():
-                still.append(req)
+                if replay is not None and replay.clock is not None and replay.cpu_used() > replay.budget_s:
+                    self._replays.pop(req.request_id)  # its thread finishes alone
+                    req.grammar_seconds += replay.cpu_used()
+                    self._fail(req, self._too_slow_message(req, "replaying its earlier tokens"), GrammarTooSlow.code)
+                else:
+                    still.append(req)
                 continue
             req.grammar_future = None
             try:
-                constraint = Constraint(future.result())
-                if not constraint.advance(req.output_token_ids):
-                    raise ValueError("the tokens generated before the replay do not follow the grammar")
+                if req.constraint is None:  # its compile
+                    constraint = Constraint(future.result())
+                    if req.output_token_ids:  # a replay
+                        req.constraint = constraint
+                        self._replay_grammar(req)
+                        still.append(req)
+                        continue
+                    req.constraint = constraint
+                else:  # the replay of its earlier tokens
+                    ok = future.result()
+                    req.grammar_seconds += self._replays.pop(req.request_id).seconds
+                    if not ok:
+                        raise ValueError("the tokens generated before the replay do not follow the grammar")
+            except GrammarTooSlow as e:
+                self._fail(req, str(e), GrammarTooSlow.code)
+                continue
             except Exception as e:
                 self._fail(req, f"the request's grammar could not be used: {e}")
                 continue
-            req.constraint = constraint
             self.scheduler.add(req)
         self._awaiting_grammar = still
 
-    def _fail(self, req: Request, why: str) -> None:
+    def _replay_grammar(self, req: Request) -> None:
+        """A replay's new matcher takes the tokens generated before, on a grammar thread, within the request's
+        whole budget (checked by _admit_compiled)."""
+        job = Job(req, functools.partial(req.constraint.advance, req.output_token_ids),
+                  self.config.grammar_mask_budget_s)
+        self._grammar_work.start([job])
+        self._replays[req.request_id] = job
+        req.grammar_future = job.future
+
+    def _fail(self, req: Request, why: str, code: str | None = None) -> None:
         log.warning("request %s failed: %s", req.request_id, why)
         self.scheduler.finish(req, FinishReason.ABORT)
         self._forget(req)
-        self._failed.append((req.request_id, why))
+        self._failed.append((req.request_id, why, code))
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, why) of the requests the engine stopped on an error since the last call: no output of
-        theirs follows (their clients are told by whoever serves them)."""
+    def take_failed(self) -> list[tuple[str, str, str | None]]:
+        """(request id, why, error code or None) of the requests the engine stopped on an error since the last
+        call: no output of theirs follows (their clients are told by whoever serves them). Code
+        "grammar_too_slow": the request's own grammar spent its time budget (the client's to fix)."""
         out, self._failed = self._failed, []
         return out
 
@@ -270,7 +329,8 @@ class Engine:
             return False
         if req in self._awaiting_grammar:
             self._awaiting_grammar.remove(req)
-            req.grammar_future.cancel()
+            self._replays.pop(request_id, None)
+            self._grammars.cancel(req.grammar_future)  # its compile stops unless another request waits for it
         self.scheduler.finish(req, FinishReason.ABORT)
         self._pending_outputs.append(self._final_output(req, []))
         self._forget(req)
@@ -309,18 +369,24 @@ class Engine:
             return outputs
         t0 = time.perf_counter()
         drafted_before, accepted_before = self.stats.spec_drafted, self.stats.spec_accepted
-        logits = self.runner.execute(sched)
         # (request, draft tokens, logits rows) of every request that samples, read before num_computed_tokens moves
         samplers = [(s.request, s.request.draft_token_ids[:s.num_draft], s.num_logits)
                     for s in sched.scheduled if s.samples]
+        # the grammar masks are filled on their threads while the model runs (nothing to do without a grammar)
+        masks = self._start_masks(samplers) if self._grammars is not None else None
+        logits = self.runner.execute(sched)
         # one logits row per sampled position: a request verifying k drafts has k + 1 of them, at positions
         # num_tokens .. num_tokens + k (the sampler's draw depends on the position, never on the batch)
         row_reqs = [r for r, _, n in samplers for _ in range(n)]
         positions = [r.num_tokens + j for r, _, n in samplers for j in range(n)]
-        self._bias_and_constrain(logits, samplers)
+        self._bias(logits, samplers)
+        if masks is not None:
+            self._apply_masks(logits, masks)
         raw_logits = self._process_logits(logits, row_reqs)
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in row_reqs],
                                                [r.params.seed for r in row_reqs], positions, raw_logits)
+        # the constrained rows' matchers take the sampled tokens (on the grammar threads, within their budgets)
+        accepted = self._accept_tokens(samplers, tokens, masks.spent) if masks is not None else None
         stats = self.stats
         stats.num_steps += 1
         stats.num_tokens += sched.num_tokens
@@ -331,6 +397,9 @@ class Engine:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
         row = 0
         for req, drafts, num_logits in samplers:
+            if accepted is not None and req.is_finished:  # its grammar ran out of time (failed above): rows dropped
+                row += num_logits
+                continue
             out = None
             for j in range(num_logits):
                 token = tokens[row + j]
@@ -338,10 +407,13 @@ class Engine:
                     req.debug_logits.append(raw_logits[row + j].clone())
                 req.token_ids.append(token)
                 stats.num_sampled += 1
-                if req.constraint is not None and not req.constraint.accept(token):
-                    self._fail(req, f"the sampled token {token} does not follow the request's grammar")
-                    break
-                step_out = self._after_token(req, token, logprobs[row + j])
+                grammar_done = False
+                if req.constraint is not None:
+                    ok, grammar_done = accepted[req.request_id][j]
+                    if not ok:
+                        self._fail(req, f"the sampled token {token} does not follow the request's grammar")
+                        break
+                step_out = self._after_token(req, token, logprobs[row + j], grammar_done)
                 out = step_out if out is None else _merge_outputs(out, step_out)
                 if req.is_finished or j == len(drafts) or token != drafts[j]:
                     break
@@ -385,14 +457,9 @@ class Engine:
             r.draft_token_ids = propose_ngram(r.token_ids, r.spec_state, room, cfg.ngram_min, cfg.ngram_max)
 
     @torch.inference_mode()
-    def _bias_and_constrain(self, logits: torch.Tensor, samplers: list[tuple[Request, list[int], int]]) -> None:
-        """logit_bias, then the grammar masks, in place (before penalties, logprobs and the draw). A request
-        verifying k drafts has k + 1 rows: row j's mask is its grammar's after drafts[:j] (accepted on the matcher
-        for the fill, then rolled back), so drafts that break the grammar are rejected and the output is the one
-        the request would have had without drafts."""
+    def _bias(self, logits: torch.Tensor, samplers: list[tuple[Request, list[int], int]]) -> None:
+        """logit_bias, in place (before the grammar masks, penalties, logprobs and the draw)."""
         bias_rows, bias_cols, bias_vals = [], [], []
-        masked: list[int] = []
-        fills: list[tuple[Constraint, int, list[int]]] = []  # (constraint, first row, drafts)
         row = 0
         for req, drafts, n in samplers:
             if req.params.logit_bias:
@@ -401,30 +468,85 @@ class Engine:
                         bias_rows.append(row + j)
                         bias_cols.append(token)
                         bias_vals.append(float(bias))
-            if req.constraint is not None:
-                fills.append((req.constraint, row, drafts[:n - 1]))
             row += n
         if bias_rows:
             dev = logits.device
             logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
                               torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
-        if not fills:
-            return
-        bitmask = allocate_bitmask(row, logits.shape[1])  # row r of the bitmask masks logits row r
-        for constraint, first, drafts in fills:
-            constraint.fill(bitmask, first)
-            masked.append(first)
-            accepted = 0
-            for j, token in enumerate(drafts):  # row first + j + 1 follows drafts[:j + 1]
-                if not constraint.accept(token):
-                    break  # row first + j cannot sample this draft: the rows after it are never used
-                accepted += 1
-                if constraint.terminated:
-                    break
-                constraint.fill(bitmask, first + j + 1)
-                masked.append(first + j + 1)
-            constraint.rollback(accepted)
-        apply_bitmask(logits, bitmask, masked)
+
+    # ---- grammars in the step (grammar_budget.py) -----------------------------------------------------------
+    def _start_masks(self, samplers: list[tuple[Request, list[int], int]]) -> _Masks | None:
+        """Starts the fills of the constrained rows' masks on the grammar threads (the forward pass runs meanwhile);
+        None when no row has a grammar. A request verifying k drafts has k + 1 rows: row j's mask is its grammar's
+        after drafts[:j] (accepted on the matcher for the fill, then rolled back), so drafts that break the grammar
+        are rejected and the output is the one the request would have had without drafts."""
+        jobs = []
+        rows = 0
+        for req, drafts, n in samplers:
+            if req.constraint is not None:
+                jobs.append(Job(req, functools.partial(_fill_rows, req.constraint, rows, drafts[:n - 1]),
+                                n * self.config.grammar_mask_budget_ms / 1000))
+            rows += n
+        if not jobs:
+            return None
+        bitmask = allocate_bitmask(rows, self.model_config.vocab_size)  # row r of the bitmask masks logits row r
+        for job in jobs:
+            job.fn = functools.partial(job.fn, bitmask)
+        return _Masks(bitmask, jobs, self._grammar_work.start(jobs), {})
+
+    @torch.inference_mode()
+    def _apply_masks(self, logits: torch.Tensor, masks: _Masks) -> None:
+        """Waits for the fills (each within its request's budget) and applies the masks; a request whose fill ran
+        out of time ends with grammar_too_slow (its rows are left unmasked and dropped)."""
+        self._grammar_work.wait(masks.jobs, masks.submitted)
+        masked: list[int] = []
+        for job in masks.jobs:
+            masks.spent[job.owner.request_id] = job.seconds
+            if self._within_budget(job, "filling its token mask"):
+                masked.extend(job.result)
+        apply_bitmask(logits, masks.bitmask, masked)
+
+    def _accept_tokens(self, samplers: list[tuple[Request, list[int], int]], tokens: list[int],
+                       spent: dict[str, float]) -> dict[str, list[tuple[bool, bool]]]:
+        """Each constrained request's sampled tokens through its matcher, in parallel, each within what its budget of
+        the step has left after its fill: request id -> [(accepted, grammar complete)] per token taken."""
+        jobs = []
+        row = 0
+        step_budget_s = self.config.grammar_mask_budget_ms / 1000
+        for req, drafts, n in samplers:
+            if req.constraint is not None and not req.is_finished:
+                budget = max(n * step_budget_s - spent.get(req.request_id, 0.0), 0.0)
+                jobs.append(Job(req, functools.partial(_accept_rows, req.constraint, tokens[row:row + n], drafts),
+                                budget))
+            row += n
+        self._grammar_work.wait(jobs, self._grammar_work.start(jobs))
+        return {job.owner.request_id: job.result for job in jobs
+                if self._within_budget(job, "accepting its sampled token", spent.get(job.owner.request_id, 0.0))}
+
+    def _within_budget(self, job: Job, what: str, before: float = 0.0) -> bool:
+        """Charges the job's seconds to its request; False (and the request failed with grammar_too_slow) when it
+        ran past its budget of the step, or the request's grammar work past its whole budget."""
+        req = job.owner
+        req.grammar_seconds += job.seconds
+        if job.too_slow or job.seconds > job.budget_s:
+            step_ms = (before + job.seconds) * 1000
+            self._fail(req, self._too_slow_message(req, what, step_ms), GrammarTooSlow.code)
+            return False
+        if req.grammar_seconds > self.config.grammar_mask_budget_s:
+            self._fail(req, self._too_slow_message(req, what), GrammarTooSlow.code)
+            return False
+        return True
+
+    def _too_slow_message(self, req: Request, what: str, step_ms: float | None = None) -> str:
+        cfg = self.config
+        if step_ms is not None:
+            spent = (f"{step_ms:.0f} ms in one step, over its budget of {cfg.grammar_mask_budget_ms:g} ms per token "
+                     "(GRAMMAR_MASK_BUDGET_MS_PER_STEP, --grammar-mask-budget-ms)")
+        else:
+            spent = (f"{req.grammar_seconds:.2f} s in all, over its budget of {cfg.grammar_mask_budget_s:g} s "
+                     "(GRAMMAR_MASK_BUDGET_S, --grammar-mask-budget-s)")
+        return (f"the request's grammar is too slow: {what} took {spent} after {req.num_output_tokens} tokens; "
+                "use a less ambiguous grammar")
 
     @torch.inference_mode()
     def _process_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -454,9 +576,10 @@ class Engine:
                     logits[i, blocked] = float("-inf")
         return raw
 
-    def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None,
+                     grammar_done: bool = False) -> RequestOutput:
         reason, stop_reason = None, None
-        if req.constraint is not None and req.constraint.terminated:  # the grammar is complete (a stop token)
+        if grammar_done:  # the grammar is complete (its matcher accepted a stop token)
             reason, stop_reason = FinishReason.STOP, token
         elif not req.params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = FinishReason.STOP, token
@@ -485,3 +608,36 @@ class Engine:
         while self.has_unfinished_requests():
             self.step()
         return [done[i] for i in ids]
+
+
+def _fill_rows(constraint: Constraint, first: int, drafts: list[int], bitmask: torch.Tensor) -> list[int]:
+    """Fills bitmask row `first` from the matcher, and row first + j + 1 after drafts[:j + 1] (rolled back after);
+    returns the rows filled. Runs on a grammar thread."""
+    constraint.fill(bitmask, first)
+    rows = [first]
+    accepted = 0
+    for j, token in enumerate(drafts):  # row first + j + 1 follows drafts[:j + 1]
+        if not constraint.accept(token):
+            break  # row first + j cannot sample this draft: the rows after it are never used
+        accepted += 1
+        if constraint.terminated:
+            break
+        constraint.fill(bitmask, first + j + 1)
+        rows.append(first + j + 1)
+    constraint.rollback(accepted)
+    return rows
+
+
+def _accept_rows(constraint: Constraint, tokens: list[int], drafts: list[int]) -> list[tuple[bool, bool]]:
+    """The matcher takes a request's sampled tokens as the step will keep them: token j + 1 only when token j was
+    draft j (then draft j's row was right). [(accepted, grammar complete)] per token taken. Runs on a grammar
+    thread; tokens past where the request ends for another reason (length, a stop string) change nothing, since it
+    ends."""
+    out = []
+    for j, token in enumerate(tokens):
+        ok = constraint.accept(token)
+        done = ok and constraint.terminated
+        out.append((ok, done))
+        if not ok or done or j == len(drafts) or token != drafts[j]:
+            break
+    return out

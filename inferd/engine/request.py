@@ -132,7 +132,10 @@ class Request:
     spec_state: object | None = None
     penalty_state: object | None = None  # sampler.PenaltyState, for requests with penalties
     constraint: object | None = None  # structured.Constraint once its grammar is compiled (constrained requests)
-    grammar_future: object | None = None  # the compile in flight (a Future) while the request awaits its grammar
+    # while the request awaits its grammar: the compile in flight (a Future), then for a replay its earlier tokens
+    # going through its new matcher (the Future of a grammar_budget.Job)
+    grammar_future: object | None = None
+    grammar_seconds: float = 0.0  # its grammar's work so far (fills, accepts), against its budget (grammar_budget.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

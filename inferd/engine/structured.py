@@ -8,22 +8,22 @@ A constrained request carries `SamplingParams.structured = (kind, text)`:
 
 The grammar is parsed (without the tokenizer, cheap, bounded by MAX_STRUCTURED_CHARS) where the request is
 validated, so a bad schema is a 400 before the request is admitted; it is compiled against the tokenizer (the costly
-part: per-token masks) on a thread of its own, cached per (kind, text), so a slow schema never stalls the step of the
-requests already running. Each step, every constrained row's allowed tokens are written into one bitmask and applied
-to the logits in one batched call before sampling (before the seeded draw: seeded outputs stay reproducible); the
-sampled token then advances the row's matcher. A request ends when its grammar is complete (the matcher accepted a
-stop token). A replayed request rebuilds its matcher from the tokens generated before (Grammar.advance).
+part: per-token masks) in a process of its own, cached per (kind, text), within a time budget, so a slow schema never
+stalls the step of the requests already running (grammar_compile.py). Each step, every constrained row's allowed
+tokens are written into one bitmask (filled on threads while the model runs, each request within its time budget:
+grammar_budget.py) and applied to the logits in one batched call before sampling (before the seeded draw: seeded
+outputs stay reproducible); the sampled token then advances the row's matcher. A request ends when its grammar is
+complete (the matcher accepted a stop token). A replayed request rebuilds its matcher from the tokens generated
+before (Constraint.advance).
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
-from ..config import GRAMMAR_CACHE_BYTES, MAX_STRUCTURED_CHARS
+from ..config import MAX_STRUCTURED_CHARS
 from .request import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -98,41 +98,23 @@ def _check_cached(kind: str, text: str, param: str) -> None:
         raise InvalidRequestError(f"{param}: invalid {kind.replace('_', ' ')}: {message}") from None
 
 
-class GrammarCompiler:
-    """Compiles constraints against one tokenizer on a thread of its own; compiled grammars are cached by xgrammar
-    per (kind, text), up to GRAMMAR_CACHE_BYTES, so a repeated schema costs nothing."""
-
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int = 1):
-        xgr = _xgr()
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="inferd-grammar")
-        self._lock = threading.Lock()
-
-    def submit(self, kind: str, text: str) -> "Future":
-        return self._pool.submit(self.compile, kind, text)
-
-    def compile(self, kind: str, text: str):
-        c = self._compiler
-        if kind == "json":
-            return c.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar also allows arrays, scalars)
-            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=True,
-                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if kind == "regex":
-            return c.compile_regex(text)
-        if kind == "choice":
-            return c.compile_grammar(choice_grammar(parse_choices(text)))
-        if kind == "grammar":
-            return c.compile_grammar(text)
-        if kind == "structural_tag":
-            return c.compile_structural_tag(text)
-        raise InvalidRequestError(f"unknown constraint kind {kind!r}")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+def compile_constraint(compiler, kind: str, text: str):
+    """The CompiledGrammar of (kind, text) from an xgrammar GrammarCompiler (in a compile process:
+    grammar_compile.py)."""
+    c = compiler
+    if kind == "json":
+        return c.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar also allows arrays, scalars)
+        return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if kind == "regex":
+        return c.compile_regex(text)
+    if kind == "choice":
+        return c.compile_grammar(choice_grammar(parse_choices(text)))
+    if kind == "grammar":
+        return c.compile_grammar(text)
+    if kind == "structural_tag":
+        return c.compile_structural_tag(text)
+    raise InvalidRequestError(f"unknown constraint kind {kind!r}")
 
 
 class Constraint:

@@ -44,6 +44,9 @@ class Tenant:
     weight: float = 1.0
     # tenants of the same cache group share cached prompt prefixes; without one a tenant shares with nobody
     cache_group: str | None = None
+    # the free-form `grammar` kind of structured outputs (EBNF, whose matching cost the client controls: a 403
+    # grammar_not_allowed when false); JSON schemas, regexes, choices and tools stay allowed
+    allow_grammar: bool = True
     # one of the server's own tenants (ANONYMOUS_TENANT, DEFAULT_TENANT), never one of a keys file (from_dict
     # refuses the field): what tells them apart, whatever the names
     builtin: bool = field(default=False, repr=False)
@@ -77,6 +80,8 @@ class Tenant:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or absent, got {value!r}")
+        if not isinstance(self.allow_grammar, bool):
+            raise ValueError(f"allow_grammar must be true or false, got {self.allow_grammar!r}")
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
             raise ValueError(f"weight must be > 0, got {self.weight!r}")
         if not self.name or not isinstance(self.name, str):
@@ -159,7 +164,10 @@ class KeyStore:
         return cls(tenants, keys)
 
     def to_dict(self) -> dict:
-        return {"tenants": {n: {k: v for k, v in asdict(t).items() if k in _SETTINGS} for n, t in self.tenants.items()},
+        # allow_grammar only when false: files without it stay readable by versions that do not know it
+        return {"tenants": {n: {k: v for k, v in asdict(t).items()
+                                if k in _SETTINGS and not (k == "allow_grammar" and v is True)}
+                            for n, t in self.tenants.items()},
                 "keys": [asdict(k) for k in self.keys.values()]}
 
     def save(self, path: str) -> None:
@@ -178,7 +186,7 @@ class KeyStore:
             raise
 
 
-_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group")  # a tenant's fields in the keys file
+_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group", "allow_grammar")  # a tenant's fields in the keys file
 ANONYMOUS_TENANT = Tenant(ANONYMOUS, builtin=True)
 DEFAULT_TENANT = Tenant(DEFAULT, builtin=True)
 
@@ -202,14 +210,14 @@ def locked(path: str):
 
 def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None = None, tpm: int | None = None,
                max_concurrency: int | None = None, weight: float | None = None,
-               cache_group: str | None = None) -> tuple[str, Tenant]:
+               cache_group: str | None = None, allow_grammar: bool | None = None) -> tuple[str, Tenant]:
     """Adds a key for tenant (created, or updated with the settings given) and returns (the key, the tenant)."""
     with locked(path):
         store = KeyStore.load(path)
         old = store.tenants.get(tenant)
         fields = {"name": tenant, **({k: getattr(old, k) for k in _SETTINGS} if old is not None else {})}
         for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
-                            ("weight", weight), ("cache_group", cache_group)):
+                            ("weight", weight), ("cache_group", cache_group), ("allow_grammar", allow_grammar)):
             if value is not None:
                 fields[name] = value
         new_tenant = Tenant(**fields)

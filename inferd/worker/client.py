@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.request import SamplingParams
-from .protocol import (CHALLENGE, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS, PROTOCOL_VERSION,
-                       REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello, WorkerOutput,
-                       WorkerStats, abort_message, add_message, auth_message, client_proof, decode_message,
-                       encode_body, encode_frame, frame, new_nonce, ping_message, shutdown_message, valid_nonce)
+from .protocol import (CHALLENGE, CLIENT_ERROR_CODES, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS,
+                       PROTOCOL_VERSION, REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello,
+                       WorkerOutput, WorkerStats, abort_message, add_message, auth_message, client_proof,
+                       decode_message, encode_body, encode_frame, frame, new_nonce, ping_message, shutdown_message,
+                       valid_nonce)
 from .sealing import Opener, Sealer, channel
 
 
@@ -44,7 +45,12 @@ class RequestRejected(WorkerClientError):
 
 
 class RequestFailed(WorkerClientError):
-    """The worker admitted the request, then failed it (an engine step raised)."""
+    """The worker admitted the request, then failed it (an engine step raised; or, with a code from
+    protocol.CLIENT_ERROR_CODES, the request's own fault: its grammar spent its time budget)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -323,8 +329,11 @@ class WorkerClient:
             return
         stream = self._stream_for(request_id, message.get("epoch"))
         if stream is not None:
-            kind = WorkerUnavailable if message.get("retry") else RequestFailed
-            stream.queue.put_nowait(kind(message["error"]))
+            if message.get("retry"):
+                stream.queue.put_nowait(WorkerUnavailable(message["error"]))
+            else:  # a code the client does not know (a newer worker's) is no code: the failure is the server's
+                code = message.get("code")
+                stream.queue.put_nowait(RequestFailed(message["error"], code if code in CLIENT_ERROR_CODES else None))
 
     def _on_heartbeat(self, message: dict[str, Any]) -> None:
         self.latest_stats = WorkerStats.from_wire(message["stats"])

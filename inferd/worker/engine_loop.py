@@ -153,13 +153,14 @@ class EngineLoop:
             self._report_failures()
 
     def _report_failures(self) -> None:
-        """Requests the engine stopped on an error of their own (a grammar it could not use): their clients are
-        told, the other requests carry on."""
+        """Requests the engine stopped on an error of their own (a grammar it could not use, or one too slow):
+        their clients are told (with the error's code, when it has one), the other requests carry on."""
         take = getattr(self.engine, "take_failed", None)
-        for request_id, why in take() if take is not None else ():
+        for request_id, why, *code in take() if take is not None else ():
             dispatch = self._dispatches.pop(request_id, None)
             if dispatch is not None:
-                dispatch.peer.send(error_message(why, dispatch.client_id, dispatch.epoch))
+                dispatch.peer.send(error_message(why, dispatch.client_id, dispatch.epoch,
+                                                 code=code[0] if code else None))
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
         """The requests the failed step ran (its schedule's; when it failed before scheduling: the running ones, or

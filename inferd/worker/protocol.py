@@ -407,11 +407,20 @@ def rejected_message(request_id: str, epoch: int, error: str, retry: bool = Fals
     return {"type": REJECTED, "request_id": request_id, "epoch": epoch, "error": error, "retry": retry}
 
 
+# the codes of a request's failure that are the request's own fault (a 4xx for its client); other failures are the
+# server's (a 500). Optional on the wire: a client that does not know one treats the failure as the server's
+CLIENT_ERROR_CODES = frozenset({"grammar_too_slow"})
+
+
 def error_message(error: str, request_id: str | None = None, epoch: int | None = None,
-                  retry: bool = False) -> dict[str, Any]:
+                  retry: bool = False, code: str | None = None) -> dict[str, Any]:
     """A protocol error (no request_id) or the failure of one admitted request. retry: the request was stopped
-    by this worker's shutdown (not by its own fault) and can be replayed on another worker."""
-    return {"type": ERROR, "error": error, "request_id": request_id, "epoch": epoch, "retry": retry}
+    by this worker's shutdown (not by its own fault) and can be replayed on another worker. code: one of
+    CLIENT_ERROR_CODES when the request itself was at fault (its grammar too slow)."""
+    message = {"type": ERROR, "error": error, "request_id": request_id, "epoch": epoch, "retry": retry}
+    if code is not None:
+        message["code"] = code
+    return message
 
 
 def heartbeat_message(seq: int, monotonic_time: float, stats: WorkerStats) -> dict[str, Any]:

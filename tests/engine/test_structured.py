@@ -5,8 +5,9 @@ and replays keep working with them; logit_bias; compiles never stall the step.""
 from __future__ import annotations
 
 import json
+import random
 import re
-import threading
+import string
 
 import jsonschema
 import pytest
@@ -45,6 +46,14 @@ def spec_engine(smollm2_fp32):
     return Engine(model, config, EngineConfig(dtype="float32", kv_cache_bytes=128 << 20, record_logits=True,
                                               speculative="ngram", ngram_min=1),
                   torch.float32, tokenizer)
+
+
+def slow_grammar(alternatives: int, seed: int) -> str:
+    """A unique grammar whose compile takes long: 3000 alternatives (48 KB) ~12 s on the 2-core machine."""
+    r = random.Random(seed)
+    words = ['[^%s]* "%s"' % (r.choice(string.ascii_lowercase), "".join(r.choices(string.ascii_lowercase, k=5)))
+             for _ in range(alternatives)]
+    return "root ::= (" + " | ".join(words) + ")*"
 
 
 def chat(tokenizer, text: str) -> list[int]:
@@ -176,32 +185,26 @@ def test_a_slow_compile_never_stalls_the_running_requests(engine):
     prompt = chat(engine.tokenizer, "Tell me a story.")
     running = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0))
     engine.step()
-    gate = threading.Event()
-    engine._grammar_compiler()._pool.submit(gate.wait)  # the compile thread is busy until the gate opens
+    # a unique grammar that compiles for seconds (in a compile process: grammar_compile.py)
     constrained = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0,
-                                                            structured=("regex", "[0-9]{3}")))
-    try:
-        done = False
-        for _ in range(10):
-            outs = engine.step()
-            done = done or any(o.request_id == running and o.finished for o in outs)
-        assert done  # the running request finished while the grammar was still waiting to compile
-        assert engine.requests[constrained].grammar_future is not None and not engine.requests[constrained].token_ids[
-            engine.requests[constrained].num_prompt_tokens:]
-    finally:
-        gate.set()
-    while engine.has_unfinished_requests():
-        engine.step()
+                                                            structured=("grammar", slow_grammar(3000, seed=1))))
+    done = False
+    for _ in range(10):
+        outs = engine.step()
+        done = done or any(o.request_id == running and o.finished for o in outs)
+    assert done  # the running request finished while the grammar was still compiling
+    assert engine.requests[constrained].grammar_future is not None and not engine.requests[constrained].token_ids[
+        engine.requests[constrained].num_prompt_tokens:]
+    assert engine.abort(constrained)
+    assert not engine.has_unfinished_requests()
+    assert [o.finish_reason for o in engine.take_pending_outputs()] == ["abort"]
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
 def test_an_aborted_request_awaiting_its_grammar_is_released(engine):
-    gate = threading.Event()
-    engine._grammar_compiler()._pool.submit(gate.wait)
-    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, structured=("regex", "[a-z]+")))
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, structured=("grammar", slow_grammar(3000, 2))))
     assert engine.has_unfinished_requests()
     assert engine.abort(rid)
-    gate.set()
     assert not engine.has_unfinished_requests()
     assert [o.finish_reason for o in engine.take_pending_outputs()] == ["abort"]
 
