@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,23 +48,9 @@ def chat_line(i: int, content: str | None = None, max_tokens: int = 4) -> dict:
                      "max_tokens": max_tokens}}
 
 
-def jsonl(items: list[dict]) -> bytes:
-    return "".join(json.dumps(i) + "\n" for i in items).encode()
-
-
 def submit(c: openai.OpenAI, data: bytes, endpoint: str = "/v1/chat/completions"):
     f = c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
     return c.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
-
-
-def wait_status(c: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        b = c.batches.retrieve(batch_id)
-        if b.status in statuses:
-            return b
-        assert time.monotonic() < deadline, f"batch stayed {b.status} for {timeout} s: {b}"
-        time.sleep(0.05)
 
 
 def lines_counted(srv) -> dict[str, float]:

@@ -7,7 +7,6 @@ goes after --batch-retention."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import sqlite3
 import stat
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,20 +36,6 @@ def line(i: int, padding: int = 0) -> dict:
     stop = ["z" * 1000 + str(k) for k in range(padding)]
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
             "body": {"model": "tiny", "prompt": f"Say {i}", "max_tokens": 2, **({"stop": stop} if stop else {})}}
-
-
-def jsonl(items: list[dict]) -> bytes:
-    return "".join(json.dumps(i) + "\n" for i in items).encode()
-
-
-def wait_status(client, batch_id: str, statuses: tuple[str, ...], timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in statuses:
-            return b
-        assert time.monotonic() < deadline, f"batch stayed {b.status}: {b}"
-        time.sleep(0.05)
 
 
 def folder_bytes(folder: Path) -> int:

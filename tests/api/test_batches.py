@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import TINY_MAX_MODEL_LEN
+from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,24 +41,10 @@ def client_for(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def jsonl(items: list[dict]) -> bytes:
-    return "".join(json.dumps(i) + "\n" for i in items).encode()
-
-
 def chat_line(i: int, max_tokens: int = 6, **body) -> dict:
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "tiny", "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": max_tokens,
                      "temperature": 0, **body}}
-
-
-def wait_status(client, batch_id: str, statuses: tuple[str, ...], timeout: float = 180.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in statuses:
-            return b
-        assert time.monotonic() < deadline, f"batch stayed {b.status}: {b}"
-        time.sleep(0.1)
 
 
 def read_jsonl(client, file_id: str | None) -> list[dict]:
@@ -74,7 +61,7 @@ def test_two_hundred_lines_through_the_official_client(server):
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={"job": "nightly"})
     assert b.status in ("validating", "in_progress") and b.metadata == {"job": "nightly"}
-    b = wait_status(client, b.id, ("completed", "failed"))
+    b = wait_status(client, b.id, ("completed", "failed"), timeout=180)
     assert b.status == "completed", b
     assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (200, 200, 0)
     assert b.in_progress_at and b.finalizing_at and b.completed_at and b.error_file_id is None
@@ -100,7 +87,7 @@ def test_bad_lines_land_in_the_error_file_and_malformed_files_fail_with_line_num
     lines = [chat_line(0), chat_line(1, temperature=5), chat_line(2, frobnicate=1), chat_line(3)]
     f = client.files.create(file=("mixed.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     b = wait_status(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                  completion_window="24h").id, ("completed", "failed"))
+                                                  completion_window="24h").id, ("completed", "failed"), timeout=180)
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 2)
     assert [o["custom_id"] for o in read_jsonl(client, b.output_file_id)] == ["req-0", "req-3"]
     errors = read_jsonl(client, b.error_file_id)
@@ -111,7 +98,7 @@ def test_bad_lines_land_in_the_error_file_and_malformed_files_fail_with_line_num
            jsonl([{**chat_line(5), "url": "/v1/completions"}]) + jsonl([{**chat_line(6), "method": "GET"}]))
     f = client.files.create(file=("bad.jsonl", io.BytesIO(bad)), purpose="batch")
     b = wait_status(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                  completion_window="24h").id, ("failed",))
+                                                  completion_window="24h").id, ("failed",), timeout=180)
     found = [(e.line, e.code) for e in b.errors.data]
     assert found == [(2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_url"),
                      (5, "invalid_method")]
@@ -132,7 +119,7 @@ def test_cancel_and_expiry(server):
     assert err.value.body["param"] == "file_id"
     c = client.batches.cancel(b.id)
     assert c.status in ("cancelling", "cancelled")
-    c = wait_status(client, b.id, ("cancelled",))
+    c = wait_status(client, b.id, ("cancelled",), timeout=180)
     done = read_jsonl(client, c.output_file_id)
     unrun = read_jsonl(client, c.error_file_id)
     assert len(done) >= 2 and len(done) + len(unrun) == 200 and unrun
@@ -167,7 +154,7 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
     srv = start(tiny_llama_dir, tmp_path, state, name="second")
     try:
         client = client_for(srv)
-        done = wait_status(client, b.id, ("completed",))
+        done = wait_status(client, b.id, ("completed",), timeout=180)
         out = read_jsonl(client, done.output_file_id)
         assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(40))  # each exactly once
         assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
