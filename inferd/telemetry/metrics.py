@@ -313,14 +313,13 @@ class _WorkerCollector:
 
 
 class _WithoutTenants:
-    """A registry's view without its per-tenant series (what generate_latest reads: collect())."""
+    """A registry's view without its per-tenant series (what generate_latest reads: collect()). Every family is
+    still announced (its HELP and TYPE lines name no tenant), as a labelled family with no sample yet is."""
 
     def __init__(self, registry):
         self.registry = registry
 
     def collect(self):
         for family in self.registry.collect():
-            samples = [s for s in family.samples if "tenant" not in s.labels]
-            if samples:
-                family.samples = samples
-                yield family
+            family.samples = [s for s in family.samples if "tenant" not in s.labels]
+            yield family
