@@ -147,7 +147,7 @@ SETTLE_GIVE_UP_S = 600.0  # a settlement still failing after this is dropped (th
 DEFAULT_SSE_WRITE_TIMEOUT_S = 30.0
 # tokenizing happens off the event loop for prompts of more characters than this (shorter ones take microseconds)
 TOKENIZE_INLINE_MAX_CHARS = 2048
-TOKENIZE_THREADS = 2  # threads that tokenize long prompts (off the event loop)
+TOKENIZE_THREADS = 2  # threads that tokenize long inputs off the event loop (prompts and embedding inputs together)
 # the live dashboard (/dashboard, inferd/api/dashboard.py): the API process samples its own metrics this often and
 # keeps this much history; the page shows percentiles and rates over a window it picks (DASHBOARD_WINDOWS_S)
 DASHBOARD_SAMPLE_S = 2.0

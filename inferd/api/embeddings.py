@@ -7,16 +7,16 @@ import asyncio
 import base64
 import struct
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from ..config import (EMBED_MAX_CHARS_PER_TOKEN, MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, MAX_REPLAYS_PER_REQUEST,
-                      TOKENIZE_INLINE_MAX_CHARS, TOKENIZE_THREADS)
+                      TOKENIZE_INLINE_MAX_CHARS)
 from ..engine.request import SamplingParams
 from ..worker.client import WorkerUnavailable
 from .errors import APIError, invalid
+from .tokenizing import off_the_loop
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
 Identifier = Annotated[StrictStr, Field(max_length=MAX_IDENTIFIER_CHARS)]
@@ -42,7 +42,6 @@ class EmbeddingService:
         self.model_name = model_name
         self.num_requests = 0
         self.metrics = metrics
-        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     async def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
         """The inputs as token ids, checked against the model. Texts too long to ever fit are refused before they
@@ -73,10 +72,7 @@ class EmbeddingService:
             if sum(len(t) for t in texts) <= TOKENIZE_INLINE_MAX_CHARS:
                 ids = [self.encode(t) for t in texts]
             else:
-                if self._tokenize_pool is None:
-                    self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inferd-embed-tok")
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, lambda: [self.encode(t) for t in texts])
+                ids = await off_the_loop(lambda: [self.encode(t) for t in texts])
         try:
             self._check_ids(ids, hello)
         except APIError:

@@ -17,9 +17,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from concurrent.futures import ThreadPoolExecutor
 
-from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST, TOKENIZE_INLINE_MAX_CHARS, TOKENIZE_THREADS
+from ..config import MAX_CHOICES_PER_REQUEST, MAX_REPLAYS_PER_REQUEST, TOKENIZE_INLINE_MAX_CHARS
 from ..engine.request import SamplingParams
 from ..gateway.admission import Overloaded, QueueShareExceeded, QueueTimeout
 from ..gateway.limits import LimiterUnavailable
@@ -30,6 +29,7 @@ from ..worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUn
 from ..worker.protocol import WorkerOutput
 from .errors import INVALID_REQUEST, APIError, internal_error, invalid
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .tokenizing import off_the_loop
 from .tools import FORMATS, ToolCallParser, ToolFormat, default_parser, render_messages, template_knows_tools
 from .tools import tool_constraint
 
@@ -157,7 +157,6 @@ class OpenAIServing:
         # whatever it tokenizes to, so it is refused before it costs any tokenizing
         vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer, "hf") else {}
         self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
-        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float,
                       allow_grammar: bool = True) -> Prepared:
@@ -176,9 +175,7 @@ class OpenAIServing:
             raise invalid(f"This model's maximum context length is {hello.max_model_len} tokens; the {what} has "
                           f"{chars} characters, more than that many tokens can hold.", param=what,
                           code="context_length_exceeded")
-        if self._tokenize_pool is None:
-            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="inferd-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prepare, req, received_at)
+        return await off_the_loop(prepare, req, received_at)
 
     # ---- preparation ----------------------------------------------------------------------------------------
     embedding_models: frozenset[str] = frozenset()  # the embedding models served beside (a 400 here, not a 404)
