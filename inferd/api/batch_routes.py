@@ -63,7 +63,8 @@ def outcome_of(error: APIError) -> LineOutcome:
     retry_after = None
     if busy and error.headers and str(error.headers.get("Retry-After", "")).isdigit():
         retry_after = float(error.headers["Retry-After"])
-    return LineOutcome(error.status, error.body(), retry=busy, retry_after=retry_after)
+    return LineOutcome(error.status, error.body(), retry=busy, retry_after=retry_after,
+                       service_busy=error.status == 503)
 
 
 def _parse_body(model, body: str):
@@ -208,7 +209,11 @@ def install_batch_routes(app: FastAPI, state) -> None:
         await run(s.get_file, tenant_of(request), file_id)
         from starlette.responses import FileResponse
 
-        return FileResponse(s.path(file_id), media_type="application/octet-stream")
+        path = s.path(file_id)
+        if not await run(path.is_file):  # its bytes lost from the disk (FileResponse would fail it with a 500)
+            raise APIError(404, f"the content of {file_id} is gone from the server's storage",
+                           "invalid_request_error", param="file_id", code="file_not_found")
+        return FileResponse(path, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}", response_model=None, responses=files_errors)
     async def delete_file(request: Request, file_id: str) -> dict:
@@ -275,5 +280,6 @@ async def start_batches(state, state_dir: str, concurrency: int,
     state.batch_runner = BatchRunner(state.batches, execute, concurrency,
                                      interactive_busy=lambda: state.gateway.busy_above(BATCH_BAND),
                                      max_line_bytes=state.max_body_bytes, retention_s=retention_s,
-                                     count=lambda outcome, n: lines.labels(outcome).inc(n))
+                                     count=lambda outcome, n: lines.labels(outcome).inc(n),
+                                     tenant_exists=lambda identity: tenant_by_identity(state, identity) is not None)
     state.batch_runner.start()

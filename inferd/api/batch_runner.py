@@ -9,9 +9,14 @@ fair and keeps them apart:
   when its line was refused as "busy" (503, a 429 of its rate or concurrency limits), between 1 and
   `--batch-concurrency`; all of them together stay under `--batch-concurrency` (one at a time while more important
   work runs);
-- only busy answers are retried, after a back-off (BATCH_RETRY_S doubled at each, up to BATCH_RETRY_MAX_S); any
-  other answer (a 4xx that is the line's own fault, a 429 that can never fit such as request_too_large) is the line's
-  result, at once;
+- only busy answers are retried, and a busy answer pauses what it speaks for: a 429 of the tenant's limits pauses
+  that tenant, a 503 (the service saturated, not ready) every tenant, for the answer's Retry-After or the back-off
+  (BATCH_RETRY_S doubled at each new refusal, up to BATCH_RETRY_MAX_S), whichever is longer; no line of theirs starts
+  before then (a pause per line let a tenant's refusals grow with its pending lines: each refusal freed a slot that
+  the next line took at once). Any other answer (a 4xx that is the line's own fault, a 429 that can never fit such as
+  request_too_large) is the line's result, at once;
+- a batch whose tenant is gone (removed from the keys file, or the server started without it) fails: before it runs
+  with the error tenant_gone, while it runs with its lines not run yet in the error file under that code;
 - each batch's validation and finalization is a task of its own, whose failure (even an unexpected exception) is
   that batch's alone: the batch fails, or its step is tried again after a back-off; the loop never stops for it.
 Everything that touches the store or a file runs in a thread, never on the event loop.
@@ -46,6 +51,7 @@ class LineOutcome:
     body: dict  # the response body, or the error body
     retry: bool = False  # the service was busy (503, a 429 rate or concurrency limit): run the line again later
     retry_after: float | None = None  # the answer's Retry-After, seconds
+    service_busy: bool = False  # busy for everyone (a 503), not only for this line's tenant (a 429)
 
 
 def backoff(attempt: int, retry_after: float | None = None) -> float:
@@ -53,6 +59,25 @@ def backoff(attempt: int, retry_after: float | None = None) -> float:
     at most BATCH_RETRY_MAX_S."""
     delay = BATCH_RETRY_S * 2 ** min(max(attempt - 1, 0), 16)
     return min(BATCH_RETRY_MAX_S, max(delay, retry_after or 0.0))
+
+
+@dataclass
+class Pause:
+    """What busy answers say to the runner, for one tenant or for all: start nothing before `until` (monotonic
+    seconds). The back-off doubles with each refusal of a line started after the pause was last set; the refusals of
+    lines already in flight then are the same burst: they may lengthen the pause (their Retry-After), never double it."""
+    until: float = float("-inf")
+    refusals: int = 0  # consecutive refused bursts
+    set_at: float = float("-inf")
+
+    def refused(self, started: float, now: float, retry_after: float | None) -> None:
+        if started >= self.set_at:
+            self.refusals += 1
+            self.set_at = now
+        self.until = max(self.until, now + backoff(self.refusals, retry_after))
+
+    def served(self) -> None:
+        self.refusals = 0
 
 
 class BatchRunner:
@@ -63,9 +88,11 @@ class BatchRunner:
     def __init__(self, store: BatchStore, execute: Callable[[str, str, str], Awaitable[LineOutcome]],
                  max_concurrency: int = DEFAULT_BATCH_CONCURRENCY, interactive_busy: Callable[[], int] = lambda: 0,
                  max_line_bytes: int = MAX_REQUEST_BODY_BYTES, retention_s: float | None = BATCH_RETENTION_S,
-                 count: Callable[[str, int], None] = lambda outcome, n: None):
+                 count: Callable[[str, int], None] = lambda outcome, n: None,
+                 tenant_exists: Callable[[str], bool] = lambda identity: True):
         self.store = store
         self.execute = execute
+        self.tenant_exists = tenant_exists  # tenant identity -> whether the server still has that tenant
         # more important work (interactive, standard) running or waiting: lines are then sent one at a time, so that
         # the batch fills the capacity that work leaves idle instead of sharing every step with it
         self.interactive_busy = interactive_busy
@@ -77,6 +104,8 @@ class BatchRunner:
         self._retry_at: dict[tuple[str, int], float] = {}
         self._attempts: dict[tuple[str, int], int] = {}
         self._tenant_limit: dict[str, int] = {}  # each tenant's adaptive concurrency
+        self._tenant_pause: dict[str, Pause] = {}  # set by 429s of the tenant's limits
+        self._service_pause = Pause()  # set by 503s: the service is busy for every tenant
         self._last_tenant: str | None = None  # the tenant served last: the next round starts after it
         self._steps: dict[str, asyncio.Task] = {}  # batch id -> its validation or finalization
         self._held_until: dict[str, float] = {}  # batch id -> when a step that failed may run again
@@ -155,7 +184,10 @@ class BatchRunner:
             batch_id, status = batch["id"], batch["status"]
             if batch_id in self._steps or self._held_until.get(batch_id, 0.0) > now:
                 continue
-            if status == "validating":
+            if status in ("validating", "in_progress") and not self.tenant_exists(batch["tenant"]):
+                if self._cancel_inflight(batch_id):
+                    self._step(batch, self._tenant_gone(batch))
+            elif status == "validating":
                 self._step(batch, self._validate(batch))
             elif status == "cancelling":
                 if self._cancel_inflight(batch_id):
@@ -182,8 +214,16 @@ class BatchRunner:
         for batch in runnable:
             by_tenant.setdefault(batch["tenant"], []).append(batch)
         busy_tenants = {tenant for tenant, _ in self._inflight.values()}
+        clock = time.monotonic()
         for tenant in [t for t in self._tenant_limit if t not in by_tenant and t not in busy_tenants]:
             del self._tenant_limit[tenant]  # nothing left to run: it starts afresh next time
+        for tenant in [t for t, p in self._tenant_pause.items() if p.until <= clock and t not in by_tenant
+                       and t not in busy_tenants]:
+            del self._tenant_pause[tenant]
+        if self._service_pause.until > clock:  # the service said it is busy: nothing starts before its time
+            return
+        by_tenant = {t: b for t, b in by_tenant.items() if t not in self._tenant_pause
+                     or self._tenant_pause[t].until <= clock}
         room = cap - len(self._inflight)
         if room <= 0 or not by_tenant:
             return
@@ -211,7 +251,7 @@ class BatchRunner:
                     if key in self._inflight:
                         continue
                     self._retry_at.pop(key, None)
-                    task = asyncio.get_running_loop().create_task(self._line(batch, line))
+                    task = asyncio.get_running_loop().create_task(self._line(batch, line, clock))
                     self._inflight[key] = (tenant, task)
                     self._last_tenant = tenant
                     room -= 1
@@ -243,7 +283,9 @@ class BatchRunner:
                 task.cancel()
         return not self._inflight_of(batch_id)
 
-    async def _line(self, batch: dict, line: dict) -> None:
+    async def _line(self, batch: dict, line: dict, started: float) -> None:
+        """Runs one line (started: the monotonic time it was scheduled) and records its result; a busy answer leaves
+        it pending and pauses its tenant (a 429) or every tenant (a 503)."""
         key = (batch["id"], line["line_no"])
         tenant = batch["tenant"]
         outcome = None
@@ -251,9 +293,20 @@ class BatchRunner:
             outcome = await self.execute(tenant, batch["endpoint"], line["body"])
             if outcome.retry:
                 self._tenant_limit[tenant] = max(1, self.tenant_concurrency(tenant) // 2)
-                self._retry_later(key, outcome.retry_after)
+                pause = self._service_pause if outcome.service_busy else self._tenant_pause.setdefault(tenant, Pause())
+                now = time.monotonic()
+                pause.refused(started, now, outcome.retry_after)
                 self.count("retried", 1)
+                error = outcome.body.get("error") or {}
+                log.info("batch %s line %d: busy (%d %s, Retry-After %s); %s wait %.2f s", batch["id"],
+                         line["line_no"], outcome.status, error.get("code"), outcome.retry_after,
+                         "all batch lines" if outcome.service_busy else f"tenant {tenant}'s lines", pause.until - now)
                 return
+            if outcome.status != 200 and not self.tenant_exists(tenant):
+                return  # refused because its tenant went: it stays pending, and the batch ends as tenant_gone
+            self._service_pause.served()
+            if tenant in self._tenant_pause:
+                self._tenant_pause[tenant].served()
             self._tenant_limit[tenant] = min(self.max_concurrency, self.tenant_concurrency(tenant) + 1)
             await self._record(batch, line, outcome)
         except asyncio.CancelledError:
@@ -272,7 +325,7 @@ class BatchRunner:
                     pass
             log.exception("batch %s line %d: its result could not be stored; it runs again", batch["id"],
                           line["line_no"])
-            self._retry_later(key, None)
+            self._retry_later(key)
         finally:
             self._inflight.pop(key, None)
             self._wake.set()
@@ -289,9 +342,10 @@ class BatchRunner:
         self.count("ok" if outcome.status == 200 else "error", 1)
         self.lines_done += 1
 
-    def _retry_later(self, key: tuple[str, int], retry_after: float | None) -> None:
+    def _retry_later(self, key: tuple[str, int]) -> None:
+        """A line whose result could not be stored runs again after a back-off of its own."""
         attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
-        self._retry_at[key] = time.time() + backoff(attempt, retry_after)
+        self._retry_at[key] = time.time() + backoff(attempt)
 
     # ---- a batch's steps --------------------------------------------------------------------------------------
     def _step(self, batch: dict, step: Awaitable[None]) -> None:
@@ -349,10 +403,23 @@ class BatchRunner:
             else:
                 await asyncio.to_thread(store.store_lines, batch["id"], lines)
 
-    async def _finalize(self, batch: dict, status: str, unfinished_code: str | None) -> None:
+    async def _tenant_gone(self, batch: dict) -> None:
+        """The batch's tenant is gone: a batch not started yet fails with tenant_gone; one in progress fails with its
+        results so far in its output and error files, and its lines not run in the error file under tenant_gone."""
+        errors = [{"code": "tenant_gone", "message": "the batch's tenant no longer exists on this server",
+                   "param": None, "line": None}]
+        log.warning("batch %s: its tenant %s is gone; the batch fails", batch["id"], batch["tenant"])
+        if batch["status"] == "validating":
+            await asyncio.to_thread(self.store.set_status, batch["id"], "failed", ("validating",),
+                                    errors=json.dumps(errors))
+        else:
+            await self._finalize(batch, "failed", "tenant_gone", errors)
+
+    async def _finalize(self, batch: dict, status: str, unfinished_code: str | None,
+                        errors: list[dict] | None = None) -> None:
         if status == "completed":
             await asyncio.to_thread(self.store.set_status, batch["id"], "finalizing", ("in_progress",))
-        await asyncio.to_thread(self.store.finalize, batch, status, unfinished_code)
+        await asyncio.to_thread(self.store.finalize, batch, status, unfinished_code, errors)
         for table in (self._retry_at, self._attempts):
             for key in [k for k in table if k[0] == batch["id"]]:
                 del table[key]

@@ -378,10 +378,11 @@ class BatchStore:
 
         return self._tx(update)
 
-    def finalize(self, batch: dict, final_status: str, unfinished_code: str | None) -> None:
+    def finalize(self, batch: dict, final_status: str, unfinished_code: str | None,
+                 errors: list[dict] | None = None) -> None:
         """Writes the output and error files (lines in input order; lines never run: an error with
-        unfinished_code, for an expired or cancelled batch), moves the batch to final_status
-        in one transaction, then deletes its lines. Idempotent: a crash before that transaction leaves the batch as it
+        unfinished_code, for an expired or cancelled batch or one whose tenant is gone), moves the batch to
+        final_status (with the batch's errors, if given) in one transaction, then deletes its lines. Idempotent: a crash before that transaction leaves the batch as it
         was (its files orphans, dropped at start)."""
         batch_id = batch["id"]
         rows = self._q("SELECT line_no, custom_id, status, result FROM lines WHERE batch_id = ? ORDER BY line_no",
@@ -411,7 +412,8 @@ class BatchStore:
                          "created_at": _now()}
         unrun = sum(1 for r in rows if r["status"] == "pending") if unfinished_code else 0
         del rows, out_lines, err_lines
-        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
+        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at",
+                 "failed": "failed_at"}[final_status]
 
         def commit(db):
             if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] in FINISHED:
@@ -419,9 +421,10 @@ class BatchStore:
             for f in made.values():
                 db.execute("INSERT INTO files VALUES (:id, :tenant, :purpose, :filename, :bytes, :created_at)", f)
             db.execute(f"UPDATE batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?, "
-                       f"failed = failed + ? WHERE id = ?",
+                       f"failed = failed + ?, errors = COALESCE(?, errors) WHERE id = ?",
                        (final_status, _now(), made.get("output_file_id", {}).get("id"),
-                        made.get("error_file_id", {}).get("id"), unrun, batch_id))
+                        made.get("error_file_id", {}).get("id"), unrun, json.dumps(errors) if errors else None,
+                        batch_id))
             return True
 
         if not self._tx(commit):
@@ -479,7 +482,8 @@ def quota_exceeded(quota: int, used: int, size: int) -> APIError:
 
 
 _UNFINISHED = {"batch_expired": "This request could not be executed before the completion window expired.",
-               "batch_cancelled": "This request was not executed: the batch was cancelled."}
+               "batch_cancelled": "This request was not executed: the batch was cancelled.",
+               "tenant_gone": "This request was not executed: the batch's tenant no longer exists on this server."}
 
 
 def _line_error(custom_id: str, code: str, message: str) -> dict:

@@ -238,3 +238,37 @@ def test_a_database_from_before_is_migrated_and_made_private(tmp_path):
     for path in [state / "batches.sqlite3", *(state / "files").iterdir()]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     store.close()
+
+
+def test_a_batch_whose_tenant_is_gone_before_it_runs_fails_with_tenant_gone(tmp_path):
+    """Its file is never validated into lines and none of them runs: the batch fails with tenant_gone (its tenant
+    was removed from the keys file, or the server started without it). A batch of another tenant runs."""
+    ran = []
+
+    async def execute(tenant, endpoint, body):
+        ran.append(tenant)
+        return LineOutcome(200, {"ok": True})
+
+    async def scenario():
+        store = BatchStore(tmp_path / "state")
+        made = {}
+        for tenant in ("key:gone", "key:here"):
+            f = put_file(store, tmp_path, [line(0), line(1)], tenant=tenant)
+            made[tenant] = store.create_batch(tenant, "/v1/completions", f["id"], "24h", None)["id"]
+        runner = BatchRunner(store, execute, tenant_exists=lambda identity: identity != "key:gone")
+        runner.start()
+        deadline = asyncio.get_running_loop().time() + 20
+        try:
+            while {store.get_batch(t, b)["status"] for t, b in made.items()} - {"completed", "failed"}:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+        finally:
+            await runner.stop()
+        return store, made
+
+    store, made = asyncio.run(scenario())
+    gone = store.get_batch("key:gone", made["key:gone"])
+    assert gone["status"] == "failed" and gone["failed_at"] and gone["in_progress_at"] is None
+    assert [e["code"] for e in json.loads(gone["errors"])] == ["tenant_gone"]
+    assert (gone["total"], gone["output_file_id"], gone["error_file_id"]) == (0, None, None)
+    assert store.get_batch("key:here", made["key:here"])["status"] == "completed" and ran == ["key:here"] * 2

@@ -163,6 +163,59 @@ def test_a_batch_of_embeddings(client, reference):
         assert cosine(o["response"]["body"]["data"][0]["embedding"], e) >= 0.9999
 
 
+def test_a_batch_of_embeddings_answers_as_the_endpoint_does(client, server, tiny_llama_dir):
+    """Each line of a /v1/embeddings batch gets the answer /v1/embeddings gives the same body (the workers run in
+    float32: start_server's --dtype): the same model, indices and usage, vectors within 1e-5 of each other (what
+    batching with other inputs may move them), base64 as asked, and an invalid line the endpoint's 400."""
+    import io
+    import json
+
+    bodies = [{"model": "all-MiniLM-L6-v2", "input": TEXTS[0]},
+              {"model": "all-MiniLM-L6-v2", "input": TEXTS[1:4]},
+              {"model": "all-MiniLM-L6-v2", "input": [[101, 7592, 2088, 102], [101, 2088, 102]]},
+              {"model": tiny_llama_dir.name, "input": TEXTS[:2]},
+              {"input": TEXTS[4], "encoding_format": "base64"},
+              {"model": "all-MiniLM-L6-v2", "input": TEXTS[2], "dimensions": 8},
+              {"model": "all-MiniLM-L6-v2", "input": []}]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+             for i, body in enumerate(bodies)]
+    f = client.files.create(file=("e.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                            purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert b.status == "completed" and b.request_counts.total == len(bodies)
+    results = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    if b.error_file_id:
+        results += [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    by_id = {r["custom_id"]: r["response"] for r in results}
+
+    def vectors(answer: dict) -> list[np.ndarray]:
+        out = []
+        for d in answer["data"]:
+            v = d["embedding"]
+            out.append(np.frombuffer(base64.b64decode(v), "<f4") if isinstance(v, str) else np.asarray(v, "<f4"))
+        return out
+
+    for i, body in enumerate(bodies):
+        direct = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
+        got = by_id[f"e{i}"]
+        assert got["status_code"] == direct.status_code, (body, got, direct.text)
+        want, have = direct.json(), got["body"]
+        if direct.status_code != 200:
+            assert have == want  # the same error, message and code
+            continue
+        assert {k: v for k, v in have.items() if k != "data"} == {k: v for k, v in want.items() if k != "data"}
+        assert [d["index"] for d in have["data"]] == [d["index"] for d in want["data"]]
+        assert all(isinstance(d["embedding"], str) == (body.get("encoding_format") == "base64")
+                   for d in have["data"])
+        for x, y in zip(vectors(have), vectors(want), strict=True):
+            assert x.shape == y.shape and (body.get("dimensions") is None or x.shape == (body["dimensions"],))
+            assert np.max(np.abs(x - y)) <= 1e-5, (body, np.max(np.abs(x - y)))
+
+
 def test_a_decoder_model_embeds_through_our_engine(client, server, tiny_llama_dir):
     """The second --embedding-model is a decoder (our engine's): last-token pooling, normalized, equal to Hugging
     Face's LlamaModel on the same weights; `model` picks it, no `model` picks the first one."""
