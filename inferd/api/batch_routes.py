@@ -58,7 +58,8 @@ def tenant_by_identity(state, identity: str) -> Tenant | None:
 
 
 def outcome_of(error: APIError) -> LineOutcome:
-    """An error answer as a line's outcome: retried only when it says "busy"."""
+    """An error answer as a line's outcome: retried only when it says "busy"; a 503 is busy for every tenant (the
+    service saturated or not ready), a busy 429 for the line's tenant alone."""
     busy = error.status == 503 or (error.status == 429 and error.code in BUSY_429_CODES)
     retry_after = None
     if busy and error.headers and str(error.headers.get("Retry-After", "")).isdigit():

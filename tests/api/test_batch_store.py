@@ -272,3 +272,26 @@ def test_a_batch_whose_tenant_is_gone_before_it_runs_fails_with_tenant_gone(tmp_
     assert [e["code"] for e in json.loads(gone["errors"])] == ["tenant_gone"]
     assert (gone["total"], gone["output_file_id"], gone["error_file_id"]) == (0, None, None)
     assert store.get_batch("key:here", made["key:here"])["status"] == "completed" and ran == ["key:here"] * 2
+
+
+def test_a_burst_of_busy_answers_pauses_once_and_the_pause_doubles_per_burst(tmp_path, monkeypatch):
+    """The tenant's first lines go out together and are all refused (busy): that is one refusal of the tenant, a pause
+    of BATCH_RETRY_S, not one doubling per line in flight (4 refusals would make it 8x); the next refusal, of a line
+    sent after the pause, doubles it. Its lines run once the service takes them."""
+    monkeypatch.setattr(batch_runner, "BATCH_RETRY_S", 0.3)
+    calls: list[float] = []
+    refuse = {"tries": 5}  # the first burst (4 lines in flight) and the one try after it
+
+    async def execute(tenant, endpoint, body):
+        calls.append(time.monotonic())
+        if len(calls) <= refuse["tries"]:
+            await asyncio.sleep(0.01)  # answers come back while the burst's other lines are in flight
+            return LineOutcome(429, {"error": {"code": "rate_limit_exceeded"}}, retry=True)
+        return LineOutcome(200, {"ok": True})
+
+    run_batches(tmp_path, execute, {"key:t": 6}, 8, lambda s, m: done(s, m, "key:t"))
+    first, second, third = calls[0], calls[4], calls[5]
+    assert all(t - first < 0.1 for t in calls[:4]), calls  # the burst: the tenant's first four lines at once
+    assert 0.3 - 0.01 <= second - first < 0.3 + batch_runner.TICK_S + 0.3, calls  # one pause, not doubled per line
+    assert third - second >= 0.6 - 0.01, calls  # the next refusal doubled it
+    assert len(calls) == 5 + 6
