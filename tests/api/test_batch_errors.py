@@ -2,12 +2,10 @@
 client: busy answers (a tenant's 429, the service's 503) pause the runner for their Retry-After or the back-off,
 counted from the server's own metrics, and the lines succeed once capacity returns; a batch whose tenant is removed
 while it runs fails with tenant_gone; an input file gone from the disk fails its batch with file_not_found, an empty
-one with empty_file; what a crash leaves in the state folder is dropped when the server starts again after a real
-SIGTERM, and its batch resumes."""
+one with empty_file. (What a crash leaves in the state folder: test_batches.py's kill -9 test.)"""
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
@@ -34,8 +32,7 @@ BATCH_CONCURRENCY = 2  # --batch-concurrency: never more batch lines in flight t
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     """One request at a time on the worker and a line of 2 (a third interactive request saturates the service for
-    batch work), a 3 s rate window; requests with SLOW_SEED are slow. server.start(name) starts another server with
-    the same settings on the same state folder (after this one stopped: the restart test)."""
+    batch work), a 3 s rate window; requests with SLOW_SEED are slow."""
     from servers import kill_group, start_server
 
     from inferd.gateway.tenants import create_key
@@ -44,21 +41,14 @@ def server(tiny_llama_dir, tmp_path_factory):
     keys_path = tmp / "keys.json"
     keys = {name: create_key(str(keys_path), name, **settings)[0] for name, settings in {
         "alice": {}, "metered": {"rpm": 1}, "vip": {"tier": "interactive"}, "bulk": {}, "leaving": {}}.items()}
-    started = []
-
-    def start(name: str):
-        srv = start_server(tiny_llama_dir, tmp / f"{name}.log", "--echo", "--max-model-len", "256", "--keys",
-                           str(keys_path), "--state-dir", str(tmp / "state"), "--rate-window", str(RATE_WINDOW_S),
-                           "--max-num-seqs", "1", "--worker-queue-depth", "0", "--max-queue-requests", "2",
-                           "--tenant-queue-share", "1", "--batch-concurrency", str(BATCH_CONCURRENCY),
-                           model_name="tiny", env={"INFERD_FAULT": f"action=slow,ms={SLOW_MS},times=0,seed={SLOW_SEED}"})
-        srv.keys, srv.keys_path, srv.state, srv.start = keys, keys_path, tmp / "state", start
-        started.append(srv)
-        return srv
-
-    yield start("serve")
-    for srv in started:
-        kill_group(srv.proc)
+    srv = start_server(tiny_llama_dir, tmp / "serve.log", "--echo", "--max-model-len", "256", "--keys",
+                       str(keys_path), "--state-dir", str(tmp / "state"), "--rate-window", str(RATE_WINDOW_S),
+                       "--max-num-seqs", "1", "--worker-queue-depth", "0", "--max-queue-requests", "2",
+                       "--tenant-queue-share", "1", "--batch-concurrency", str(BATCH_CONCURRENCY), model_name="tiny",
+                       env={"INFERD_FAULT": f"action=slow,ms={SLOW_MS},times=0,seed={SLOW_SEED}"})
+    srv.keys, srv.keys_path, srv.state = keys, keys_path, tmp / "state"
+    yield srv
+    kill_group(srv.proc)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -259,37 +249,3 @@ def test_an_empty_input_file_fails_its_batch_with_empty_file(server):
         b = wait_status(alice, submit(alice, data).id, ("completed", "failed"), timeout=30)
         assert b.status == "failed" and b.request_counts.total == 0 and b.output_file_id is None
         assert [(e.code, e.line) for e in b.errors.data] == [("empty_file", None)]
-
-
-def test_a_restart_drops_what_a_crash_left_and_resumes_the_batch(server):
-    """(Last in the module: it stops the module's server.) The server is stopped with SIGTERM while a batch runs, its
-    state folder holding what crashes leave (a partial upload, a partial output file, an output file written but
-    never recorded); while it lived the folder was locked (a second server would have run without the Batch API
-    rather than run the same batch twice). The next server on the folder drops the leftovers, keeps every recorded
-    file, and finishes the batch with every custom_id once."""
-    alice = client(server, "alice")
-    files_before = {f.id for f in alice.files.list().data}
-    b = submit(alice, jsonl([line(i, max_tokens=5, seed=SLOW_SEED) for i in range(10)]))  # ~0.2 s each
-    deadline = time.monotonic() + 60
-    while alice.batches.retrieve(b.id).request_counts.completed < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    with open(server.state / "lock", "a") as lock:  # held by the living server
-        with pytest.raises(BlockingIOError):
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    files = server.state / "files"
-    on_disk = {p.name for p in files.iterdir()}
-    leftovers = [files / ".upload-k2j4h1", files / f".file-{'ab' * 12}.tmp", files / f"file-{'cd' * 12}"]
-    for path in leftovers:
-        path.write_bytes(b'{"custom_id": "partial"')
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=60) == 0
-    again = server.start("restarted")
-    assert not [p.name for p in leftovers if p.exists()]
-    alice = client(again, "alice")
-    done = wait_status(alice, b.id, ("completed", "failed"), timeout=60)
-    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (10, 0)
-    out = read_jsonl(alice, done.output_file_id)
-    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(10))  # each exactly once
-    assert {f.id for f in alice.files.list().data} == files_before | {b.input_file_id, done.output_file_id}
-    assert {p.name for p in files.iterdir()} == on_disk | {done.output_file_id}  # every recorded file kept

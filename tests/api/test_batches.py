@@ -138,6 +138,12 @@ def test_cancel_and_expiry(server):
 
 
 def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny_llama_dir, tmp_path):
+    """While the server lives its state folder is locked (a second server would run without the Batch API rather than
+    run the same batch twice). Killed mid-batch, with what crashes leave in the folder (a partial upload, a partial
+    output file, an output file written but never recorded), the next server on the folder drops those, keeps every
+    recorded file, and finishes the batch with every custom_id once."""
+    import fcntl
+
     from servers import kill_group
 
     state = tmp_path / "state"
@@ -150,15 +156,26 @@ def test_kill_minus_nine_mid_batch_resumes_and_every_custom_id_appears_once(tiny
     while client.batches.retrieve(b.id).request_counts.completed < 12:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    with open(state / "lock", "a") as lock:  # held by the living server
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    files = state / "files"
+    on_disk = {p.name for p in files.iterdir()}
+    leftovers = [files / ".upload-k2j4h1", files / f".file-{'ab' * 12}.tmp", files / f"file-{'cd' * 12}"]
+    for path in leftovers:
+        path.write_bytes(b'{"custom_id": "partial"')
     kill_group(srv.proc)  # SIGKILL to the server and its worker, lines in flight
     srv = start(tiny_llama_dir, tmp_path, state, name="second")
     try:
+        assert not [p.name for p in leftovers if p.exists()]  # dropped before the server said READY
         client = client_for(srv)
         done = wait_status(client, b.id, ("completed",), timeout=180)
         out = read_jsonl(client, done.output_file_id)
         assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(40))  # each exactly once
         assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
         assert done.error_file_id is None
+        assert {x.id for x in client.files.list().data} == {f.id, done.output_file_id}
+        assert {p.name for p in files.iterdir()} == on_disk | {done.output_file_id}  # every recorded file kept
     finally:
         kill_group(srv.proc)
 
