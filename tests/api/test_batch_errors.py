@@ -126,16 +126,21 @@ def test_a_tenants_429_pauses_it_for_the_retry_after_and_its_lines_run_once_its_
     metered = client(server, "metered")
     retried, ok = counted(server, "retried"), counted(server, "ok")
     b = submit(metered, jsonl([line(i) for i in range(12)]))
-    wait_counted(server, "retried", retried + 1)
+    _, refused_at = wait_counted(server, "retried", retried + 1)
     reload_keys(server, lambda ks: KeyStore({**ks.tenants, "metered": Tenant("metered", rpm=1_000_000)}, ks.keys))
+    lifted_at = time.time()
     _, resumed = wait_counted(server, "ok", ok + 2)  # the line that fitted, then the first after the pause
     done = wait_status(metered, b.id, ("completed", "failed"), timeout=60)
     assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (12, 0)
     refusals = counted(server, "retried") - retried
-    assert refusals <= BATCH_CONCURRENCY - 1, f"{refusals} refusals: they grew with the pending lines"
+    # a burst of at most the runner's concurrency per Retry-After while the quota was short (one more for slack)
+    bound = BATCH_CONCURRENCY * (2 + int((lifted_at - refused_at) / RATE_WINDOW_S))
+    assert refusals <= bound, f"{refusals} refusals in {lifted_at - refused_at:.1f} s: they grew with the pending lines"
     busy = busy_answers(server, b.id)
     assert len(busy) == refusals and {(x["status"], x["code"]) for x in busy} == {(429, "rate_limit_exceeded")}
     assert all(x["retry_after"] == RATE_WINDOW_S and x["pause"] >= RATE_WINDOW_S for x in busy), busy
+    for before, after in zip(busy, busy[1:]):  # a refusal is in the burst before it, or after its pause
+        assert after["at"] - before["at"] < 0.5 or after["at"] - before["at"] >= before["pause"] - 0.01, busy
     waited = resumed - busy[-1]["at"]
     assert waited >= RATE_WINDOW_S - 0.05, f"a line ran {waited:.2f} s after a Retry-After of {RATE_WINDOW_S} s"
     out = read_jsonl(metered, done.output_file_id)
@@ -146,7 +151,7 @@ def test_a_saturated_service_pauses_every_batch_line_with_a_growing_back_off(ser
     """Interactive work fills the worker and the line (3 slow requests at a time): batch lines get 503 overloaded.
     The runner tries one line at a time, after a back-off that doubles (1 s, then 2 s) and is never shorter than the
     answer's Retry-After; the batch completes once the interactive work is gone. The old runner sent every pending line
-    as soon as the one before was refused (6 refusals at once)."""
+    as soon as the one before was refused (6 refusals at once, then again each second)."""
     stop = threading.Event()
 
     def load():
@@ -170,8 +175,7 @@ def test_a_saturated_service_pauses_every_batch_line_with_a_growing_back_off(ser
             assert time.monotonic() < deadline, "the service never saturated"
         retried, ok = counted(server, "retried"), counted(server, "ok")
         b = submit(bulk, jsonl([line(i) for i in range(6)]))
-        seen, _ = wait_counted(server, "retried", retried + 2)
-        assert seen - retried == 2, f"{seen - retried} refusals at once: the runner did not wait between tries"
+        wait_counted(server, "retried", retried + 2)
     finally:
         stop.set()
         for t in threads:
@@ -179,8 +183,10 @@ def test_a_saturated_service_pauses_every_batch_line_with_a_growing_back_off(ser
     _, resumed = wait_counted(server, "ok", ok + 1)
     done = wait_status(bulk, b.id, ("completed", "failed"), timeout=60)
     assert done.status == "completed" and done.request_counts.completed == 6
+    refusals = counted(server, "retried") - retried  # 2 while saturated (1 s apart), one more if the load drained slowly
+    assert refusals <= 3, f"{refusals} refusals: the runner did not wait between tries"
     busy = busy_answers(server, b.id)
-    assert len(busy) == counted(server, "retried") - retried and {x["status"] for x in busy} == {503}, busy
+    assert len(busy) == refusals and {x["status"] for x in busy} == {503}, busy
     for k, x in enumerate(busy):  # the k-th refusal in a row: at least 2**k s and the Retry-After
         assert x["pause"] >= max(2 ** k, x["retry_after"] or 0), busy
         if k:
@@ -195,7 +201,7 @@ def test_a_batch_whose_tenant_is_removed_while_it_runs_fails_with_tenant_gone(se
     from inferd.gateway.tenants import KeyStore, create_key
 
     leaving = client(server, "leaving")
-    b = submit(leaving, jsonl([line(i, max_tokens=6, seed=SLOW_SEED) for i in range(8)]))  # ~0.25 s each
+    b = submit(leaving, jsonl([line(i, max_tokens=6, seed=SLOW_SEED) for i in range(16)]))  # ~0.25 s each
     deadline = time.monotonic() + 60
     while leaving.batches.retrieve(b.id).request_counts.completed < 2:
         assert time.monotonic() < deadline
@@ -220,8 +226,8 @@ def test_a_batch_whose_tenant_is_removed_while_it_runs_fails_with_tenant_gone(se
     assert done.status == "failed" and done.failed_at, done
     assert [(e.code, e.line) for e in done.errors.data] == [("tenant_gone", None)]
     out, errors = read_jsonl(back, done.output_file_id), read_jsonl(back, done.error_file_id)
-    assert len(out) >= 2 and len(out) + len(errors) == 8 and errors
-    assert sorted(o["custom_id"] for o in out + errors) == sorted(f"req-{i}" for i in range(8))  # each once
+    assert len(out) >= 2 and len(out) + len(errors) == 16 and errors
+    assert sorted(o["custom_id"] for o in out + errors) == sorted(f"req-{i}" for i in range(16))  # each once
     assert {e["error"]["code"] for e in errors} == {"tenant_gone"} and all(e["response"] is None for e in errors)
     assert (done.request_counts.completed, done.request_counts.failed) == (len(out), len(errors))
 
