@@ -32,7 +32,8 @@ TENSOR_PARALLEL_TIMEOUT_S = 300.0  # an all-reduce that waits this long for anot
 MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
 DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
 DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
-# a new connection to a worker must finish the challenge-response handshake within this, or it is closed
+# a new connection to a worker must finish the challenge-response handshake within this, or it is closed (by the
+# worker; and by the gateway's client, which a worker trickling its hello byte by byte would otherwise hold forever)
 WORKER_HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKE_FRAME_BYTES = 1024  # an `auth` message is ~200 bytes: nobody unauthenticated makes a worker buffer more
 # connections still in their handshake at once (a connection flood costs a worker this many threads at most, each for
