@@ -117,6 +117,9 @@ BATCH_VALIDATIONS = 2  # input files validated at once (each a thread reading up
 BUSY_BATCH_CONCURRENCY = 1  # batch lines started while interactive/standard requests run or wait
 BATCH_BUSY_COOLDOWN_S = 2.0  # ... and until this long after the last of them: then the batch takes the idle capacity
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
+# text that could still open a tool call is held back from the stream at most this long (a call's head is ~60
+# characters; past this, whitespace runs included, it is text)
+TOOL_CALL_MAX_HEAD_CHARS = 512
 # `--http-keep-alive`: a kept-alive connection must send its next request head within this (uvicorn's default, 5 s,
 # races clients whose pools keep connections longer)
 HTTP_KEEP_ALIVE_S = 75.0

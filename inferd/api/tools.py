@@ -29,6 +29,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import TOOL_CALL_MAX_HEAD_CHARS
 from ..config import TOOL_CALL_PARSERS  # noqa: F401 (the names of FORMATS)
 from ..engine.structured import JSON_MAX_WHITESPACE
 
@@ -37,7 +38,6 @@ from ..engine.structured import JSON_MAX_WHITESPACE
 WS, NAME = "\0ws", "\0name"  # (no literal piece holds a NUL)
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")  # schemas.FunctionName
 MAX_NAME = 64
-MAX_HEAD_CHARS = 512  # a call's start longer than this (whitespace runs) is text: the parser holds it back meanwhile
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,9 @@ class ToolCallParser:
 
     def _head(self, out: list) -> None:
         found, n, name = _match(self.fmt.head, self._buf, self.names)
-        if found == MORE and len(self._buf) <= MAX_HEAD_CHARS:
+        if max(n, len(self._buf) if found == MORE else 0) > TOOL_CALL_MAX_HEAD_CHARS:
+            found = NO  # (a head that long is text however it arrives, in one piece or many)
+        if found == MORE:
             return
         if found != DONE:  # not a call: its first character is text, and the rest is read again as text
             self._emit_text(out, self._buf[:1])

@@ -194,7 +194,7 @@ NESTED = '{"city": "}{ {Paris}", "opts": {"deep": {"x": [1, {"y": "}"}], "z": []
 ESCAPED = r'{"q": "say \"hi\" \\ {\"}", "p": "\\"}'
 UNICODE = '{"city": "Zürich 東京 🌧", "esc": "\\u00e9\\ud83c\\udf27"}'
 CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_c'
-PARSED = object()  # expected arguments: compare json.loads(arguments) with the value
+PADDED = "<tool_call>" + " " * 600 + '{"name": "say", "arguments": "x"}\n</tool_call>'  # TOOL_CALL_MAX_HEAD_CHARS
 
 
 def case(fmt, text, content, calls, truncated=False):
@@ -235,6 +235,8 @@ UNUSUAL = {
                                          None, [("count", 3)]),
     "a tool that does not exist": case("hermes", hermes("rm_rf", "{}"), hermes("rm_rf", "{}"), []),
     "a name that is not a name": case("hermes", hermes("say it", '"x"'), hermes("say it", '"x"'), []),
+    "a head padded past the limit": case("hermes", PADDED, PADDED, []),
+    "a head padded up to the limit": case("hermes", PADDED.replace(" " * 600, " " * 400), None, [("say", "x")]),
     "a tag and no call": case("hermes", "<tool_call> is how I call tools", "<tool_call> is how I call tools", []),
     "a near tag": case("hermes", "Hello <toolbox> there", "Hello <toolbox> there", []),
     "text only, with its own spaces": case("hermes", "  Hi there  ", "  Hi there  ", []),
