@@ -32,7 +32,8 @@ TENSOR_PARALLEL_TIMEOUT_S = 300.0  # an all-reduce that waits this long for anot
 MAX_FRAME_BYTES = 16 << 20  # 16 MiB: a prompt at the longest context window is well under 2 MiB of JSON
 DEFAULT_HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats from a worker
 DEFAULT_HEARTBEAT_TIMEOUT = 2.0  # seconds without any frame after which a client declares its worker dead
-# a new connection to a worker must finish the challenge-response handshake within this, or it is closed
+# a new connection to a worker must finish the challenge-response handshake within this, or it is closed (by the
+# worker; and by the gateway's client, which a worker trickling its hello byte by byte would otherwise hold forever)
 WORKER_HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKE_FRAME_BYTES = 1024  # an `auth` message is ~200 bytes: nobody unauthenticated makes a worker buffer more
 # connections still in their handshake at once (a connection flood costs a worker this many threads at most, each for
@@ -116,6 +117,9 @@ BATCH_VALIDATIONS = 2  # input files validated at once (each a thread reading up
 BUSY_BATCH_CONCURRENCY = 1  # batch lines started while interactive/standard requests run or wait
 BATCH_BUSY_COOLDOWN_S = 2.0  # ... and until this long after the last of them: then the batch takes the idle capacity
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
+# text that could still open a tool call is held back from the stream at most this long (a call's head is ~60
+# characters; past this, whitespace runs included, it is text)
+TOOL_CALL_MAX_HEAD_CHARS = 512
 # `--http-keep-alive`: a kept-alive connection must send its next request head within this (uvicorn's default, 5 s,
 # races clients whose pools keep connections longer)
 HTTP_KEEP_ALIVE_S = 75.0

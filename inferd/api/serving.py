@@ -107,6 +107,7 @@ class Prepared:
     received_at: float  # time.perf_counter() at receipt
     created: int = field(default_factory=lambda: int(time.time()))
     tool_format: ToolFormat | None = None  # set when the output is parsed for tool calls
+    tool_names: frozenset[str] = frozenset()  # the functions it may call (a call of another name is text)
 
     @property
     def prompt_tokens(self) -> int:
@@ -251,6 +252,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at, spec)
         prep.tool_format = tool_format
+        prep.tool_names = frozenset(t["function"]["name"] for t in tools)
         return prep
 
     def _constraint(self, req) -> tuple[str, str] | None:
@@ -458,7 +460,7 @@ class Run:
                         for i in range(len(prep.params))]
         if prep.tool_format is not None:
             for c in self.choices:
-                c.tools = ToolCallParser(prep.tool_format)
+                c.tools = ToolCallParser(prep.tool_format, prep.tool_names)
         self._events: asyncio.Queue = asyncio.Queue()  # events, an exception, then _END
         self._driver: asyncio.Task | None = None
         self.on_tokens = None  # called with the number of new tokens of every output (the gateway's fair share)

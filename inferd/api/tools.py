@@ -15,46 +15,89 @@ message, its earlier assistant tool calls written out in the hermes format, and 
 ``<tool_response>`` tags (Hermes' own convention).
 
 The parser is one incremental state machine fed the text as it is generated; a non-streamed response feeds it all
-at once, so streamed deltas always assemble to the non-streamed answer.
+at once, so streamed deltas always assemble to the non-streamed answer, however the text is cut into chunks. A
+call's arguments are the one JSON value the model wrote, whatever the parameters schema makes it (an object, an
+array, a string, a number, true/false/null). It reads what the grammar writes and more (other whitespace in a call's
+syntax, a missing or malformed closing tag, text after a call); a call naming a function the request does not have
+is text. What is not a call is content, none of it dropped (whitespace next to a call aside).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
+from ..config import TOOL_CALL_MAX_HEAD_CHARS
 from ..config import TOOL_CALL_PARSERS  # noqa: F401 (the names of FORMATS)
 from ..engine.structured import JSON_MAX_WHITESPACE
+
+
+# pieces of a call's syntax (ToolFormat.head / .end): literal text, optional whitespace, the function's name
+WS, NAME = "\0ws", "\0name"  # (no literal piece holds a NUL)
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")  # schemas.FunctionName
+MAX_NAME = 64
 
 
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
     xgrammar_model: str  # xgrammar's structural tag builder for this format
-    trigger: str  # the text that opens a call
-    prefix: str  # a call's start up to the function's name: PREFIX NAME MIDDLE ARGUMENTS TAIL
-    middle: str  # between the name and the arguments object
-    tail: str  # what closes a call after its arguments object
+    head: tuple[str, ...]  # a call's start up to its arguments: head ARGUMENTS end (the first piece opens a call)
+    end: tuple[str, ...]  # what closes a call after its arguments (its first non-space piece closes the call's object)
     separator: str  # between two calls when the output is calls only (tool_choice required)
     filler: str  # characters around calls that are not content (dropped when a call follows or precedes them)
 
+    @property
+    def trigger(self) -> str:
+        return self.head[0]
 
+
+# The grammar writes the exact text (``<tool_call>\n{"name": "f", "arguments": ``); the parser also reads a call
+# with other whitespace between the pieces (a compact or a pretty-printed one): a call written any JSON way is a call.
+_OBJECT_HEAD = ("{", WS, '"name"', WS, ":", WS, '"', NAME, '"', WS, ",", WS)
 FORMATS = {
-    "hermes": ToolFormat("hermes", "qwen_3", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ',
-                         "}\n</tool_call>", "\n", " \t\r\n"),
-    "llama3_json": ToolFormat("llama3_json", "llama", '{"name": ', '{"name": "', '", "parameters": ', "}", "; ",
-                              " \t\r\n;"),
+    "hermes": ToolFormat("hermes", "qwen_3", ("<tool_call>", WS) + _OBJECT_HEAD + ('"arguments"', WS, ":", WS),
+                         (WS, "}", WS, "</tool_call>"), "\n", " \t\r\n"),
+    "llama3_json": ToolFormat("llama3_json", "llama", _OBJECT_HEAD + ('"parameters"', WS, ":", WS), (WS, "}"),
+                              "; ", " \t\r\n;"),
 }
+DONE, MORE, NO = "done", "more", "no"
 
 
-@lru_cache(maxsize=None)
-def _head(fmt: ToolFormat) -> re.Pattern:
-    """A call's start up to its arguments, capturing the function's name."""
-    return re.compile(re.escape(fmt.prefix) + r'([^"\\]+)' + re.escape(fmt.middle))
+def _match(pattern: tuple[str, ...], buf: str, names: frozenset[str] | None = None) -> tuple[str, int, str | None]:
+    """Whether buf starts with pattern: (DONE, characters it took, the name), (MORE, 0, None) when buf is a prefix of
+    it (whitespace at its end could still run on, so a piece after it must have begun), or (NO, 0, None). With
+    `names`, a name outside them is NO."""
+    pos, name = 0, None
+    for piece in pattern:
+        if piece == WS:
+            while pos < len(buf) and buf[pos].isspace():
+                pos += 1
+            if pos == len(buf):
+                return MORE, 0, None
+        elif piece == NAME:
+            end = pos
+            while end < len(buf) and buf[end] in NAME_CHARS:
+                end += 1
+            if end - pos > MAX_NAME or end == pos < len(buf):
+                return NO, 0, None
+            if end == len(buf):
+                return MORE, 0, None
+            name = buf[pos:end]
+            if names is not None and name not in names:
+                return NO, 0, None
+            pos = end
+        else:
+            n = min(len(piece), len(buf) - pos)
+            if buf[pos:pos + n] != piece[:n]:
+                return NO, 0, None
+            if n < len(piece):
+                return MORE, 0, None
+            pos += n
+    return DONE, pos, name
+
 
 FALLBACK_SYSTEM_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
@@ -160,16 +203,22 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+LITERAL_CHARS = frozenset("0123456789+-.eEtrufalsn")  # what a number, true, false or null is made of
+
+
 @dataclass
 class _Scan:
-    """Where the arguments object of the call being read stands: brace depth, inside a string, after a backslash."""
+    """Where the arguments (one JSON value) of the call being read stand: brace depth, inside a string, after a
+    backslash, inside a bare literal (a number, true, false, null), ended."""
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
     started: bool = False
+    literal: bool = False
+    ended: bool = False
 
     def feed(self, text: str) -> int:
-        """Characters of text that belong to the arguments; len(text) when it has not ended yet."""
+        """Characters of text that belong to the arguments; len(text) when they have not ended yet."""
         for i, ch in enumerate(text):
             if self.in_string:
                 if self.escaped:
@@ -178,18 +227,30 @@ class _Scan:
                     self.escaped = True
                 elif ch == '"':
                     self.in_string = False
+                    if self.depth == 0:  # a string value: it ends with its closing quote
+                        self.ended = True
+                        return i + 1
                 continue
+            if self.literal:
+                if ch in LITERAL_CHARS:
+                    continue
+                self.ended = True  # a bare value ends at the first character that cannot continue it
+                return i
             if ch == '"':
-                self.in_string = True
+                self.in_string = self.started = True
             elif ch in "{[":
                 self.depth += 1
                 self.started = True
             elif ch in "}]":
+                if self.depth == 0:  # no value at all (`"arguments": }`): the arguments are empty
+                    self.ended = True
+                    return i
                 self.depth -= 1
-                if self.started and self.depth == 0:
+                if self.depth == 0:
+                    self.ended = True
                     return i + 1
-            elif not self.started and not ch.isspace():
-                self.started = True  # a scalar (the grammar allows only objects; be lenient when unconstrained)
+            elif self.depth == 0 and not ch.isspace():
+                self.started = self.literal = True
         return len(text)
 
 
@@ -197,14 +258,20 @@ class _Scan:
 class ToolCallParser:
     """Splits generated text into content and tool calls as it arrives. feed() returns the deltas to send now:
     ("content", text) and ("call", ToolCall, arguments fragment, first) items, first marking a call's opening delta
-    (index, id, name)."""
+    (index, id, name). `names`: the request's functions (a call of any other name is text); None: any name.
+
+    A call is opened once its head is complete (up to the first character of its arguments); its arguments are then
+    sent as they arrive, exactly the JSON value the model wrote, until that value ends; the closing text after it is
+    dropped. Whatever is not a call's syntax is content (whitespace next to a call is not). Text is held back only
+    while it could still be a call's head or end."""
     fmt: ToolFormat
+    names: frozenset[str] | None = None
     calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
-    _state: str = "text"  # text | head | args | tail
+    _state: str = "text"  # text | head | args | end
     _scan: _Scan = field(default_factory=_Scan)
-    _tail_left: str = ""
     _held_space: str = ""  # whitespace not yet sent as content: dropped if a call follows it
+    _after_call: bool = False  # a call just ended: the whitespace after it is no content either
     content: str = ""
 
     def feed(self, text: str, final: bool = False) -> list[tuple]:
@@ -215,16 +282,17 @@ class ToolCallParser:
             if self._state == "text":
                 self._text(out, final)
             elif self._state == "head":
-                self._head(out, final)
+                self._head(out)
             elif self._state == "args":
                 self._args(out)
-            elif self._state == "tail":
-                self._tail()
+            elif self._state == "end":
+                self._end()
             if (self._state, len(self._buf)) == before:
                 break
-        if final and self._buf:  # an unfinished call (max_tokens): its text stays content, as nothing was sent
-            if self._state in ("head",):
-                self._emit_text(out, self._buf, final=True)
+        if final and self._buf:
+            if self._state == "head":  # cut before its arguments began: nothing of it was sent, it is text
+                self._emit_text(out, self._buf)
+            # state "end": the end of a complete call was cut off (max_tokens): it is the call's syntax, not text
             self._buf = ""
         if final and self._held_space and not self.calls:
             self._emit(out, self._held_space)
@@ -236,8 +304,18 @@ class ToolCallParser:
             self.content += text
             out.append(("content", text))
 
-    def _emit_text(self, out: list, text: str, final: bool = False) -> None:
-        """Content, holding whitespace back until something that is not whitespace (or the end) follows it."""
+    def _emit_text(self, out: list, text: str) -> None:
+        """Content, holding whitespace back until something that is not whitespace (or the end) follows it, and
+        leaving out the whitespace right after a call (kept as a separator only when content came before the
+        call)."""
+        if self._after_call:
+            body = text.lstrip(self.fmt.filler)
+            self._held_space += text[:len(text) - len(body)]
+            if not body:
+                return
+            text, self._after_call = body, False
+            if not self.content:
+                self._held_space = ""
         if not text:
             return
         stripped = text.rstrip(self.fmt.filler)
@@ -252,7 +330,6 @@ class ToolCallParser:
         at = self._buf.find(trigger)
         if at >= 0:
             self._emit_text(out, self._buf[:at])
-            self._held_space = ""  # whitespace before a call is not content
             self._buf = self._buf[at:]
             self._state = "head"
             return
@@ -267,19 +344,22 @@ class ToolCallParser:
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         self._emit_text(out, text)
 
-    def _head(self, out: list, final: bool) -> None:
-        m = _head(self.fmt).match(self._buf)
-        if m is None:
-            # not (yet) a call's head: once it can no longer become one, it is text
-            if len(self._buf) > 512 or not _could_be_head(self._buf, self.fmt):
-                self._emit_text(out, self._buf[:1])
-                self._buf = self._buf[1:]
-                self._state = "text"
+    def _head(self, out: list) -> None:
+        found, n, name = _match(self.fmt.head, self._buf, self.names)
+        if max(n, len(self._buf) if found == MORE else 0) > TOOL_CALL_MAX_HEAD_CHARS:
+            found = NO  # (a head that long is text however it arrives, in one piece or many)
+        if found == MORE:
             return
-        call = ToolCall(len(self.calls), new_call_id(), m.group(1))
+        if found != DONE:  # not a call: its first character is text, and the rest is read again as text
+            self._emit_text(out, self._buf[:1])
+            self._buf = self._buf[1:]
+            self._state = "text"
+            return
+        self._held_space, self._after_call = "", False  # whitespace before a call is not content
+        call = ToolCall(len(self.calls), new_call_id(), name)
         self.calls.append(call)
         out.append(("call", call, "", True))
-        self._buf = self._buf[m.end():]
+        self._buf = self._buf[n:]
         self._scan = _Scan()
         self._state = "args"
 
@@ -292,19 +372,22 @@ class ToolCallParser:
         call.arguments += piece
         if piece:
             out.append(("call", call, piece, False))
-        if self._scan.started and self._scan.depth == 0 and not self._scan.in_string:
+        if self._scan.ended:
             call.done = True
-            self._state = "tail"
-            self._tail_left = self.fmt.tail
+            self._state = "end"
 
-    def _tail(self) -> None:
-        k = 0
-        while k < len(self._buf) and k < len(self._tail_left) and self._buf[k] == self._tail_left[k]:
-            k += 1
-        self._buf = self._buf[k:]
-        self._tail_left = self._tail_left[k:]
-        if not self._tail_left or (self._buf and k == 0):
-            self._state = "text"  # closed (or the closing text never came: what follows is text again)
+    def _end(self) -> None:
+        found, n, _ = _match(self.fmt.end, self._buf)
+        if found == MORE:
+            return
+        if found == NO:  # not the whole closing text: the call's closing brace (if there) is syntax, the rest text
+            closing = next(piece for piece in self.fmt.end if piece != WS)
+            found, n, _ = _match((WS, closing), self._buf)
+            if found != DONE:
+                n = 0
+        self._buf = self._buf[n:]
+        self._state = "text"
+        self._after_call = True
 
     def result(self) -> tuple[str | None, list[dict]]:
         """(content, tool calls) once everything was fed (final=True): content is None when the answer is calls
@@ -314,16 +397,3 @@ class ToolCallParser:
         if calls and not content.strip(self.fmt.filler):
             return None, calls
         return content, calls
-
-
-def _could_be_head(buf: str, fmt: ToolFormat) -> bool:
-    """Whether buf is a prefix of some call head (a name of any characters but quotes)."""
-    if len(buf) <= len(fmt.prefix):
-        return fmt.prefix.startswith(buf)
-    if not buf.startswith(fmt.prefix):
-        return False
-    rest = buf[len(fmt.prefix):]
-    q = rest.find('"')
-    if q < 0:
-        return "\\" not in rest
-    return fmt.middle.startswith(rest[q:]) or rest[q:].startswith(fmt.middle)

@@ -120,8 +120,9 @@ class Traffic:
 def read_traffic(path: str | Path) -> Traffic:
     """A per-hour or trace CSV (by its header); ValueError with the line that is wrong."""
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-        header = set(rows[0].keys()) if rows else set()
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        header = set(reader.fieldnames or ())  # a header without rows is a day without traffic
     hourly = {"hour", "requests_per_s", "prompt_tokens", "output_tokens"}
     trace = {"t", "prompt_tokens", "output_tokens"}
     try:
@@ -162,8 +163,11 @@ def percentile(values: list[float], p: float) -> float | None:
 
 
 def figures(reqs: list[Req], targets: list[Target]) -> dict:
-    """The SLO's percentiles over these requests, whether each holds, and the share of requests within each target."""
-    out = {"requests": len(reqs), "met": True}
+    """The SLO's percentiles over the requests served, whether each holds, and the share of them within each target;
+    `refused`: those the engine refused (larger than the KV cache: no number of workers serves them)."""
+    served = [r for r in reqs if not r.refused]
+    out = {"requests": len(served), "refused": len(reqs) - len(served), "met": True}
+    reqs = served
     for tg in targets:
         values = [v for v in (getattr(r, tg.metric) for r in reqs) if v is not None]
         value = percentile(values, tg.percentile)
@@ -184,11 +188,11 @@ def by_hour(reqs: list[Req]) -> list[list[Req]]:
 def hourly_need(model: StepModel, config: WorkerConfig, traffic: Traffic, targets: list[Target], seed: int,
                 uniform: bool, max_workers: int) -> list[int | None]:
     """Per hour, the fewest ready workers whose requests of that hour (simulated alone) meet the SLO; 0 for an hour
-    without requests; None when even max_workers do not."""
+    without requests a worker can serve (none, or all larger than the KV cache); None when even max_workers do not."""
     out = []
     for h in range(24):
         reqs = traffic.requests(seed + h, uniform, hours=range(h, h + 1))
-        if not reqs:
+        if not any(r.fits(config.kv_tokens) for r in reqs):
             out.append(0)
             continue
         need = None
@@ -214,7 +218,7 @@ class FleetRun:
 def run_fixed(model, config, reqs, workers: int) -> FleetRun:
     sim = Simulation(model, config, reqs, workers=workers)
     sim.run()
-    end = max(24 * HOUR, max((r.done for r in reqs), default=0.0))
+    end = max(24 * HOUR, max((r.done for r in reqs if not r.refused), default=0.0))
     return FleetRun(f"fixed {workers}", reqs, sim.worker_seconds(end) / HOUR, sim.fleet_log)
 
 
@@ -223,7 +227,7 @@ def run_hourly_minimum(model, config, reqs, need: list[int | None], min_workers:
     schedule = [(h * HOUR, counts[h]) for h in range(1, 24)]
     sim = Simulation(model, config, reqs, workers=counts[0], schedule=schedule)
     sim.run()
-    end = max(24 * HOUR, max((r.done for r in reqs), default=0.0))
+    end = max(24 * HOUR, max((r.done for r in reqs if not r.refused), default=0.0))
     return FleetRun("hourly minimum", reqs, sim.worker_seconds(end) / HOUR, sim.fleet_log)
 
 
@@ -266,7 +270,7 @@ def run_autoscaler(model, config, reqs, autoscaler: AutoscalerConfig, start_dela
     sim = Simulation(model, config, reqs, workers=first, start_delay_s=start_delay_s, on_tick=tick,
                      tick_s=AUTOSCALE_INTERVAL_S)
     sim.run(until=until)
-    end = max(until, max((r.done for r in reqs), default=0.0))
+    end = max(until, max((r.done for r in reqs if not r.refused), default=0.0))
     return FleetRun(name, reqs, sim.worker_seconds(end) / HOUR, sim.fleet_log, decisions)
 
 
@@ -275,6 +279,10 @@ def worker_capacity(model: StepModel, config: WorkerConfig, targets: list[Target
     """Tokens/s (prompt + output) one worker sustains within the SLO, for requests of these lengths: the largest
     Poisson rate (bisection, 10 halvings) at which `seconds` of traffic meet the SLO. What --worker-capacity
     should be."""
+    if prompt + output > config.kv_tokens:
+        raise ValueError(f"requests of {prompt} + {output} tokens are larger than the KV cache ({config.kv_tokens} "
+                         "tokens): no rate of them meets the SLO")
+
     def meets(rate: float) -> bool:
         rng = random.Random(seed)
         reqs, t = [], rng.expovariate(rate)

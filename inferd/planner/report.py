@@ -55,17 +55,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = StepModel.load(args.profile)
         if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1 or args.kv_tokens < 1:
             raise ValueError("--max-num-seqs, --max-num-batched-tokens and --kv-tokens must be >= 1")
+        if args.workers is not None and args.workers < 1:
+            raise ValueError("--workers must be >= 1")
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = WorkerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.worker_queue_depth, args.kv_tokens)
     uniform = args.arrivals == "uniform"
     day_reqs = traffic.requests(args.seed, uniform)
-    if not day_reqs:
-        print("error: the traffic has no requests", file=sys.stderr)
-        return 2
-    mean_prompt = round(sum(r.prompt for r in day_reqs) / len(day_reqs))
-    mean_output = round(sum(r.output for r in day_reqs) / len(day_reqs))
+    out = Path(args.out)
+    for r in day_reqs:
+        r.refused = not r.fits(config.kv_tokens)  # what the simulation marks on arrival
+    servable = [r for r in day_reqs if not r.refused]
+    if not servable:
+        # nothing a worker could serve (no traffic, or every request larger than the KV cache): a plan that says so,
+        # with no fleet to simulate and no capacity to measure
+        result = {"targets": [str(t) for t in targets], "hourly": traffic.hourly(), "need": [0] * 24,
+                  "requests": len(day_reqs), **refusals(day_reqs), "summary": [],
+                  "worker_capacity": args.worker_capacity, "cost_per_worker_hour": args.cost_per_worker_hour}
+        text = markdown_nothing_to_serve(result, args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.md").write_text(text)
+        (out / "plan.json").write_text(json.dumps(result, indent=1))
+        print(text)
+        print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} (no plots: nothing is served)")
+        return 0
+    # the day's mean lengths over the requests a worker can take (each fits the cache, so their mean does)
+    mean_prompt = round(sum(r.prompt for r in servable) / len(servable))
+    mean_output = min(round(sum(r.output for r in servable) / len(servable)), config.kv_tokens - mean_prompt)
     capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output, args.seed)
     try:
         scaler = AutoscalerConfig(worker_capacity=capacity, min_workers=args.min_workers,
@@ -78,7 +95,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(model, config, traffic, targets, args.seed, uniform, scaler, args.worker_start, args.workers)
     result["worker_capacity"] = capacity
     result["cost_per_worker_hour"] = args.cost_per_worker_hour
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(result, args)
     (out / "plan.md").write_text(text)
@@ -105,13 +121,22 @@ def plan(model, config, traffic, targets, seed, uniform, scaler, worker_start, w
                                    name="autoscaler, no warm schedule"))
     runs.append(run_hourly_minimum(model, config, fresh(), need, scaler.min_workers, scaler.max_workers))
     hourly = traffic.hourly()
+    day = runs[0].requests
     return {"targets": [str(t) for t in targets], "hourly": hourly, "need": need, "fixed_workers": fixed_n,
+            "requests": len(day), **refusals(day),
             "summary": [summary(r, targets) for r in runs], "per_hour": {r.name: per_hour(r, targets) for r in runs},
             "ramp": ramp(hourly, runs, targets), "runs": runs}
 
 
+def refusals(reqs: list[Req]) -> dict:
+    """The requests the engine refuses (larger than the KV cache), in all and per hour, and the largest of them."""
+    refused = [r for r in reqs if r.refused]
+    return {"refused": len(refused), "refused_per_hour": [len(h) for h in by_hour(refused)],
+            "largest_refused_tokens": max((r.prompt + r.output for r in refused), default=None)}
+
+
 def summary(run: FleetRun, targets) -> dict:
-    hours = [figures(h, targets) for h in by_hour(run.requests) if h]
+    hours = [figures(h, targets) for h in by_hour(run.requests) if any(not r.refused for r in h)]
     overall = figures(run.requests, targets)
     return {"fleet": run.name, "worker_hours": run.worker_hours, "hours_meeting_slo": sum(h["met"] for h in hours),
             "hours_with_traffic": len(hours), **{k: v for k, v in overall.items() if k.startswith("within_")},
@@ -161,6 +186,7 @@ def markdown(result: dict, args) -> str:
              f"max_num_batched_tokens {args.max_num_batched_tokens}, KV {args.kv_tokens} tokens. "
              f"Worker capacity for the autoscaler: {result['worker_capacity']:.0f} tokens/s "
              f"({'given' if args.worker_capacity else 'found: what one worker sustains within the SLO'}).", "",
+             *refused_paragraph(result, args),
              "## The fleets over the day", "",
              "| fleet | worker-hours | cost | hours meeting the SLO | " +
              " | ".join(f"within {t.split('=')[0].split('_')[0]} target" for t in result["targets"]) + " |",
@@ -185,11 +211,12 @@ def markdown(result: dict, args) -> str:
             f = r[name]
             lines.append(f"| {name} | " + " | ".join(_fmt_s(f.get(t.split("=")[0])) for t in result["targets"]) +
                          f" | {'yes' if f['met'] else 'no'} |")
+    refused = result["refused_per_hour"] if result["refused"] else None
     lines += ["", "## Per hour", "",
-              "| hour | req/s | tokens/s | workers needed | " +
+              "| hour | req/s | tokens/s | workers needed | " + ("refused | " if refused else "") +
               " | ".join(f"{name}: workers, {result['targets'][0].split('=')[0]}, met"
                          for name in result["per_hour"]) + " |",
-              "|---|---|---|---|" + "---|" * len(result["per_hour"])]
+              "|---|---|---|---|" + ("---|" if refused else "") + "---|" * len(result["per_hour"])]
     first = result["targets"][0].split("=")[0]
     for h, rps, tok in result["hourly"]:
         need = result["need"][h]
@@ -199,7 +226,33 @@ def markdown(result: dict, args) -> str:
             cells.append(f"{row['workers']:.1f}, {_fmt_s(row.get(first))}, {'yes' if row['met'] else 'NO'}"
                          if row["requests"] else f"{row['workers']:.1f}, -, -")
         lines.append(f"| {h:02d} | {rps:.2f} | {tok:.0f} | {need if need is not None else '>max'} | " +
-                     " | ".join(cells) + " |")
+                     (f"{refused[h]} | " if refused else "") + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def refused_paragraph(result: dict, args) -> list[str]:
+    """Lines on the requests no worker can take (none: no lines)."""
+    n = result["refused"]
+    if not n:
+        return []
+    return [f"**{n} of the day's {result['requests']} requests ({100 * n / result['requests']:.1f}%) can never run**: "
+            f"each one's prompt + output (up to {result['largest_refused_tokens']} tokens) is more than the KV cache "
+            f"({args.kv_tokens} tokens), so the engine refuses it (a 400, whatever the fleet). They count in no "
+            "latency figure. A larger --kv-tokens (more --kv-cache-bytes, or a larger GPU) serves them.",
+            ""]
+
+
+def markdown_nothing_to_serve(result: dict, args) -> str:
+    """The plan of a day in which no worker has anything to serve."""
+    why = ("The traffic has no requests" if not result["requests"] else
+           f"Every one of the day's {result['requests']} requests is larger than the KV cache")
+    floor = args.min_workers
+    lines = [f"# Capacity plan: {Path(args.traffic).name}", "",
+             f"{why}: no hour needs a worker, and there is no fleet to simulate and no latency to report "
+             f"(SLO: {', '.join(result['targets'])}).", "", *refused_paragraph(result, args),
+             f"An autoscaler keeps its floor: --min-workers {floor} ({floor * 24} worker-hours, "
+             f"{floor * 24 * result['cost_per_worker_hour']:.2f} at {result['cost_per_worker_hour']:g} per worker-hour)"
+             + (", and the warm schedule's floors." if args.warm_schedule else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -241,6 +294,8 @@ def plot(result: dict, out: Path) -> None:
         for r in runs:
             bins = [[] for _ in range(96)]
             for q in r.requests:
+                if q.refused:
+                    continue
                 v = getattr(q, metric)
                 if v is not None:
                     bins[min(95, int(q.t // 900))].append(v)

@@ -7,7 +7,9 @@ KV cache holds their prompt. A sequence that finds the KV cache full when it gro
 and recomputed later, as the engine does. A step's duration comes from `StepModel`, which interpolates the step
 times `inferd profile` measured. The gateway keeps one waiting line; a worker takes from it while it holds fewer
 than `max_num_seqs + worker_queue_depth` requests, and a request goes to the least loaded worker (the router's
-choice without prefix affinity).
+choice without prefix affinity). A request whose prompt and output together are more than the whole KV cache could
+never run: the engine refuses it when it arrives (Engine.validate checks prompt + max_tokens against the pool, and
+max_tokens is at least the output), so it is marked refused and takes no worker time.
 
 Time only jumps: from one event (an arrival, a step's end, a worker ready, a fleet change, an autoscaler tick) to
 the next. A run of steps that only decode, with nothing to admit, is taken in one jump (until the first sequence
@@ -139,9 +141,14 @@ class Req:
     first_token: float | None = None
     done: float | None = None
     kv: int = 0  # KV cache tokens it holds on its worker
+    refused: bool = False  # larger than the KV cache: the engine refuses it (no first token, never done)
 
     def __post_init__(self):
         self.need = self.prompt
+
+    def fits(self, kv_tokens: int) -> bool:
+        """Whether the engine takes it: its prompt and every output token fit the whole KV cache."""
+        return self.prompt + self.output <= kv_tokens
 
     @property
     def ttft(self) -> float:
@@ -209,6 +216,7 @@ class Simulation:
         self.on_tick, self.tick_s = on_tick, tick_s
         self._next_arrival = 0
         self.fleet_log: list[tuple[float, int]] = []  # (time, workers launched and not stopped)
+        self.refused: list[Req] = []  # requests larger than the KV cache, refused on arrival
         self.set_fleet(workers, delay=0.0)
         for t, n in schedule:
             self._push(t, FLEET, n)
@@ -266,8 +274,13 @@ class Simulation:
                 if arrival == math.inf:
                     return
                 self.now = arrival
-                self.line.append(reqs[self._next_arrival])
+                r = reqs[self._next_arrival]
                 self._next_arrival += 1
+                if not r.fits(self.config.kv_tokens):
+                    r.refused = True
+                    self.refused.append(r)
+                    continue
+                self.line.append(r)
                 self._dispatch()
                 continue
             t, _, kind, payload = heapq.heappop(self._steps if step <= control else self._control)
@@ -335,7 +348,7 @@ class Simulation:
             chunks.append((r, n))
             budget -= n
         if not decoding and not chunks:
-            return  # nothing fits (a request larger than the KV cache would wait forever: not modelled)
+            return  # nothing fits now (every request fits an empty cache: run() refuses the others)
         prefill = sum(n for _, n in chunks)
         context = sum(r.need + r.generated for r in decoding) / len(decoding) if decoding else 0.0
         dt = self.model.step(len(decoding), context, prefill)

@@ -5,6 +5,11 @@ sealed: inferd/worker/sealing.py; one that does not open kills the connection) a
 per-request stream queue of their request, when the epoch matches the dispatch; `heartbeat` stats to latest_stats.
 A watchdog declares the worker dead when nothing at all arrived for heartbeat_timeout; a closed connection or a
 worker that breaks the protocol is dead at once. Death fails every open stream with WorkerDead.
+
+The handshake, as the client checks it: the first frame is the worker's challenge, in the clear, of our protocol
+version; the first sealed frame is its hello (opening it is the worker's proof that it knows the secret), of our
+version too. Any other message, in any other order, or a handshake not done within WORKER_HANDSHAKE_TIMEOUT_S, ends
+the connection (connect raises WorkerDead) before anything but the `auth` answer was sent.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import WORKER_HANDSHAKE_TIMEOUT_S
 from ..engine.request import SamplingParams
 from .protocol import (CHALLENGE, CLIENT_ERROR_CODES, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS,
                        PROTOCOL_VERSION, REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello,
@@ -126,9 +132,12 @@ class WorkerClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                      close_on_silence: bool = True, secret: bytes = b"") -> "WorkerClient":
+                      close_on_silence: bool = True, secret: bytes = b"",
+                      handshake_timeout: float = WORKER_HANDSHAKE_TIMEOUT_S) -> "WorkerClient":
         """Connects, runs the handshake (secret: shared with the worker) and reads the worker's hello; raises
-        WorkerDead when any of it takes over heartbeat_timeout, or the worker fails authentication."""
+        WorkerDead when connecting takes over heartbeat_timeout, the worker is silent that long, the handshake is not
+        done within handshake_timeout (however its bytes trickle in), or the worker breaks the handshake or fails
+        authentication. Nothing but the `auth` answer is sent before the hello opened."""
         client = cls(heartbeat_timeout, close_on_silence, secret)
         client.address = (host, port)
         try:
@@ -138,7 +147,12 @@ class WorkerClient:
             raise WorkerDead(f"cannot connect to the worker at {host}:{port}: {e!r}") from e
         client._last_seen = client._loop.time()
         client._watchdog = asyncio.create_task(client._watch())
-        await client._hello  # the watchdog bounds this wait; death sets WorkerDead on it
+        try:  # the watchdog ends a silent handshake sooner; death sets WorkerDead on the hello
+            await asyncio.wait_for(asyncio.shield(client._hello), handshake_timeout)
+        except TimeoutError:
+            if not client._hello.done():
+                client._declare_dead(f"the worker did not finish the handshake within {handshake_timeout:g} s")
+            await client._hello
         return client
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -258,21 +272,24 @@ class WorkerClient:
         if self._dead is not None:
             return
         try:
-            if self._opener is not None:
-                body = self._open(body)
-            message = decode_message(body, WORKER_MESSAGE_TYPES)
+            if self._opener is None:  # before our auth: the challenge, in the clear, and nothing else
+                message = decode_message(body, WORKER_MESSAGE_TYPES)
+                if message["type"] != CHALLENGE:
+                    raise ProtocolError(f"a {message['type']!r} message before the worker's challenge")
+                self._on_challenge(message)
+                return
+            message = decode_message(self._open(body), WORKER_MESSAGE_TYPES)
             kind = message["type"]
-            if (self.hello is None) != (kind in (CHALLENGE, HELLO)):
-                raise ProtocolError(f"a {kind!r} message {'before' if self.hello is None else 'after'} the handshake")
-            handler = {CHALLENGE: self._on_challenge, HELLO: self._on_hello, OUTPUTS: self._on_outputs,
-                       REJECTED: self._on_rejected, HEARTBEAT: self._on_heartbeat, ERROR: self._on_error}[kind]
+            if (self.hello is None) != (kind == HELLO) or kind == CHALLENGE:
+                raise ProtocolError(f"a {kind!r} message {'before' if self.hello is None else 'after'} the worker's "
+                                    "hello")
+            handler = {HELLO: self._on_hello, OUTPUTS: self._on_outputs, REJECTED: self._on_rejected,
+                       HEARTBEAT: self._on_heartbeat, ERROR: self._on_error}[kind]
             handler(message)
         except (ProtocolError, KeyError, TypeError, ValueError) as e:
             self._declare_dead(f"the worker sent a malformed message: {e!r}")
 
     def _on_challenge(self, message: dict[str, Any]) -> None:
-        if self._nonces is not None:
-            raise ProtocolError("a second challenge")
         if message.get("protocol_version") != PROTOCOL_VERSION:
             raise ProtocolError(f"worker speaks protocol {message.get('protocol_version')!r}, this client "
                                 f"{PROTOCOL_VERSION}")
@@ -289,8 +306,10 @@ class WorkerClient:
             return self._opener.open(sealed)
         except ProtocolError as e:
             if self.hello is None:  # the hello is the first sealed frame: the worker's proof
-                raise ProtocolError("the worker failed authentication: its hello does not open (it does not know "
-                                    "the shared secret, or the connection was tampered with)") from None
+                unsealed = _unsealed_type(sealed)
+                what = f"it sent {unsealed!r} in the clear" if unsealed else "its hello does not open"
+                raise ProtocolError(f"the worker failed authentication: {what} (it does not know the shared secret, "
+                                    "or the connection was tampered with)") from None
             raise ProtocolError(f"{e}: the connection was tampered with") from None
 
     def _on_hello(self, message: dict[str, Any]) -> None:
@@ -409,3 +428,11 @@ class WorkerClient:
     def _write(self, body: bytes) -> None:
         """Seals and writes at once, on the event loop: frames leave in the order of their counters."""
         self._transport.write(frame(self._sealer.seal(body)))
+
+
+def _unsealed_type(body: bytes) -> str | None:
+    """The type of a frame that is a plain message where a sealed one belongs (for the error), else None."""
+    try:
+        return decode_message(body, WORKER_MESSAGE_TYPES)["type"]
+    except ProtocolError:
+        return None

@@ -170,3 +170,157 @@ def test_a_template_that_knows_tools_renders_them_itself(tiny_llama_dir):
     with pytest.raises(APIError) as e:
         serving.chat_prompt(messages[:1], True, [evil])
     assert e.value.param == "tools"
+
+
+# ---- malformed and unusual output ------------------------------------------------------------------------------
+# Each text is parsed whole, a character at a time, in chunks of 2, 3 and 5, and split in two at every position (a
+# tag split across chunks at every boundary): every way must give the same content and calls, the streamed deltas
+# must assemble to result(), and the result must be what a client should see: tool calls with valid JSON arguments
+# (exactly the JSON text the model wrote), or plain text content; no text of the model's lost. The one exception is an
+# output cut inside a call's arguments (max_tokens or a stop string, finish_reason "length"/"stop"): the call and
+# the fragments already sent stay what they were, as OpenAI does.
+NAMES = frozenset({"say", "count", "flag", "nothing", "tags", "get_weather", "get_time"})
+
+
+def hermes(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def llama(name: str, arguments: str) -> str:
+    return f'{{"name": "{name}", "parameters": {arguments}}}'
+
+
+NESTED = '{"city": "}{ {Paris}", "opts": {"deep": {"x": [1, {"y": "}"}], "z": []}}, "n": -2}'
+ESCAPED = r'{"q": "say \"hi\" \\ {\"}", "p": "\\"}'
+UNICODE = '{"city": "Zürich 東京 🌧", "esc": "\\u00e9\\ud83c\\udf27"}'
+CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_c'
+PADDED = "<tool_call>" + " " * 600 + '{"name": "say", "arguments": "x"}\n</tool_call>'  # TOOL_CALL_MAX_HEAD_CHARS
+
+
+def case(fmt, text, content, calls, truncated=False):
+    return pytest.param(fmt, text, content, calls, truncated)
+
+
+UNUSUAL = {
+    # the grammar's well-formed calls, with the arguments any parameters schema allows
+    "scalar string": case("hermes", hermes("say", '"Hello"'), None, [("say", "Hello")]),
+    "scalar string with a brace and a tag": case("hermes", hermes("say", '"}\\n</tool_call>"'), None,
+                                                 [("say", "}\n</tool_call>")]),
+    "scalar number": case("hermes", hermes("count", "-1.5e3"), None, [("count", -1500.0)]),
+    "scalar true": case("hermes", hermes("flag", "true"), None, [("flag", True)]),
+    "null arguments": case("hermes", hermes("nothing", "null"), None, [("nothing", None)]),
+    "empty object": case("hermes", hermes("nothing", "{}"), None, [("nothing", {})]),
+    "array": case("hermes", hermes("tags", '[1, [2, {"a": "]"}], "x"]'), None, [("tags", [1, [2, {"a": "]"}], "x"])]),
+    "nested braces, braces in strings": case("hermes", hermes("get_weather", NESTED), None,
+                                             [("get_weather", json.loads(NESTED))]),
+    "escaped quotes and backslashes": case("hermes", hermes("say", ESCAPED), None, [("say", json.loads(ESCAPED))]),
+    "escaped scalar": case("hermes", hermes("say", r'"a \"quoted\" \\"'), None, [("say", 'a "quoted" \\')]),
+    "unicode": case("hermes", hermes("get_weather", UNICODE), None, [("get_weather", json.loads(UNICODE))]),
+    "two calls": case("hermes", hermes("say", '"a"') + "\n" + hermes("count", "2"), None,
+                      [("say", "a"), ("count", 2)]),
+    "text, a call, text": case("hermes", "Let me check.\n" + hermes("say", '"x"') + "\nDone.", "Let me check.\nDone.",
+                               [("say", "x")]),
+    "a call followed by text": case("hermes", hermes("count", "7") + "\nDone.", "Done.", [("count", 7)]),
+    "trailing newlines": case("hermes", hermes("count", "7") + "\n\n", None, [("count", 7)]),
+    # not what the grammar writes, but what a model can (unconstrained, or a template's own habits)
+    "junk after the tag": case("hermes", hermes("count", "7") + "junk", "junk", [("count", 7)]),
+    "missing end tag": case("hermes", '<tool_call>\n{"name": "say", "arguments": "Hi"}', None, [("say", "Hi")]),
+    "missing end tag, then text": case("hermes", '<tool_call>\n{"name": "say", "arguments": "Hi"}\nThanks', "Thanks",
+                                       [("say", "Hi")]),
+    "an end tag cut by other text": case("hermes", CUT + "ool>", "</tool_cool>", [("get_weather", {"city": "Paris"})]),
+    "extra newlines before the end tag": case("hermes", hermes("say", '"Hi"').replace("\n</", "\n\n</"), None,
+                                              [("say", "Hi")]),
+    "a compact call": case("hermes", '<tool_call>{"name":"say","arguments":"Hi"}</tool_call>', None, [("say", "Hi")]),
+    "extra whitespace in the head": case("hermes", '<tool_call>\n\n{ "name" : "count" ,\n"arguments":  3 }\n</tool_call>',
+                                         None, [("count", 3)]),
+    "a tool that does not exist": case("hermes", hermes("rm_rf", "{}"), hermes("rm_rf", "{}"), []),
+    "a name that is not a name": case("hermes", hermes("say it", '"x"'), hermes("say it", '"x"'), []),
+    "a head padded past the limit": case("hermes", PADDED, PADDED, []),
+    "a head padded up to the limit": case("hermes", PADDED.replace(" " * 600, " " * 400), None, [("say", "x")]),
+    "a tag and no call": case("hermes", "<tool_call> is how I call tools", "<tool_call> is how I call tools", []),
+    "a near tag": case("hermes", "Hello <toolbox> there", "Hello <toolbox> there", []),
+    "text only, with its own spaces": case("hermes", "  Hi there  ", "  Hi there  ", []),
+    # cut off (max_tokens, a stop string)
+    "cut in the tag": case("hermes", "Sure. <tool_ca", "Sure. <tool_ca", []),
+    "cut in the head": case("hermes", '<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea', []),
+    "cut before the arguments": case("hermes", '<tool_call>\n{"name": "say", "arguments": ',
+                                     '<tool_call>\n{"name": "say", "arguments": ', []),
+    "cut in the end tag": case("hermes", CUT, None, [("get_weather", {"city": "Paris"})]),
+    "cut in a scalar number": case("hermes", '<tool_call>\n{"name": "count", "arguments": 12', None, [("count", 12)]),
+    "unterminated string": case("hermes", '<tool_call>\n{"name": "say", "arguments": "Hel', None, [("say", '"Hel')],
+                                truncated=True),
+    "unterminated string in an object": case("hermes", '<tool_call>\n{"name": "say", "arguments": {"q": "a}}\n</tool',
+                                             None, [("say", '{"q": "a}}\n</tool')], truncated=True),
+    # llama3_json
+    "llama scalar": case("llama3_json", llama("say", '"Hello"'), None, [("say", "Hello")]),
+    "llama number, then a second call": case("llama3_json", llama("count", "7") + "; " + llama("say", '"}"'), None,
+                                             [("count", 7), ("say", "}")]),
+    "llama null": case("llama3_json", llama("nothing", "null"), None, [("nothing", None)]),
+    "llama text with braces": case("llama3_json", 'Use {"a": 1} or {name}', 'Use {"a": 1} or {name}', []),
+    "llama unknown tool": case("llama3_json", llama("rm_rf", "{}"), llama("rm_rf", "{}"), []),
+}
+
+
+def chunkings(text: str):
+    yield [text]
+    yield list(text)
+    for size in (2, 3, 5):
+        yield [text[i:i + size] for i in range(0, len(text), size)]
+    for cut in range(1, len(text)):
+        yield [text[:cut], text[cut:]]
+
+
+def parse_in(fmt: str, pieces: list[str]):
+    """(content from the deltas, [(name, arguments)] from the deltas, result())."""
+    parser = ToolCallParser(FORMATS[fmt], names=NAMES)
+    content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        for item in parser.feed(piece, final=i == len(pieces) - 1):
+            if item[0] == "content":
+                content += item[1]
+            else:
+                call, fragment, first = item[1:]
+                assert first == (call.index not in calls)
+                calls.setdefault(call.index, [call.name, ""])[1] += fragment
+    assert sorted(calls) == list(range(len(calls)))
+    final_content, final_calls = parser.result()
+    assert len({c["id"] for c in final_calls}) == len(final_calls)  # (ids are random: not compared across parses)
+    return (content, [tuple(calls[i]) for i in sorted(calls)],
+            (final_content, [(c["function"]["name"], c["function"]["arguments"]) for c in final_calls]))
+
+
+@pytest.mark.parametrize("fmt,text,content,calls,truncated", UNUSUAL.values(), ids=UNUSUAL.keys())
+def test_unusual_output_parses_the_same_in_every_chunking(fmt, text, content, calls, truncated):
+    whole = parse_in(fmt, [text])
+    for pieces in chunkings(text):
+        assert parse_in(fmt, pieces) == whole, pieces
+    streamed_content, streamed_calls, (final_content, final_calls) = whole
+    assert streamed_content == (final_content or "")  # the deltas assemble to the whole answer
+    assert final_calls == streamed_calls
+    assert final_content == content
+    assert [name for name, _ in streamed_calls] == [name for name, _ in calls]
+    for (_, arguments), (_, expected) in zip(streamed_calls, calls):
+        if truncated:
+            assert arguments == expected
+        else:
+            assert json.loads(arguments) == expected
+            assert arguments == arguments.strip()  # exactly the JSON the model wrote
+
+
+def test_a_scalar_parameters_tool_through_the_server(tiny_server):
+    """A tool whose parameters schema is a string: the grammar makes the model write `"arguments": "..."}`, and the
+    client gets exactly that string as the arguments (valid JSON). (Streamed equals whole: the table above.)"""
+    import httpx
+
+    say = {"type": "function", "function": {"name": "say", "description": "Say one word",
+                                            "parameters": {"type": "string", "maxLength": 12}}}
+    body = {"model": tiny_server.model, "messages": [{"role": "user", "content": "Say hello."}], "tools": [say],
+            "tool_choice": {"type": "function", "function": {"name": "say"}}, "temperature": 0}
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", json=body, headers=tiny_server.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "say"
+    value = json.loads(call["function"]["arguments"])
+    assert isinstance(value, str) and len(value) <= 12

@@ -12,8 +12,8 @@ from datetime import datetime
 import pytest
 
 from inferd.cluster.autoscaler import Autoscaler, AutoscalerConfig
-from inferd.planner.plan import (HOUR, Traffic, hourly_need, parse_slo, percentile, read_traffic, run_autoscaler,
-                                 run_fixed)
+from inferd.planner.plan import (HOUR, Traffic, figures, hourly_need, parse_slo, percentile, read_traffic,
+                                 run_autoscaler, run_fixed, worker_capacity)
 from inferd.planner.sim import Req, Simulation, StepModel, WorkerConfig
 
 FLAT = StepModel({(1, 1): 0.1, (64, 1): 0.1, (1, 100000): 0.1, (64, 100000): 0.1}, {1: 0.1, 100000: 0.1})
@@ -182,3 +182,76 @@ def test_runs_of_decode_steps_taken_in_one_jump_equal_step_by_step():
         for a, b in zip(jumped, stepped):
             assert a.first_token == pytest.approx(b.first_token, rel=1e-9, abs=1e-9)
             assert a.done == pytest.approx(b.done, rel=1e-9, abs=1e-9)
+
+
+def test_requests_larger_than_the_kv_cache_are_refused_and_the_rest_served():
+    # a 100-token cache: the engine refuses a request whose prompt + output can never fit it (Engine.validate checks
+    # prompt + max_tokens against the whole pool), whether the prompt alone is too long or only its output overflows;
+    # one that exactly fills the cache runs. A refused request takes no worker time and blocks no one behind it.
+    config = WorkerConfig(max_num_seqs=4, max_num_batched_tokens=64, worker_queue_depth=4, kv_tokens=100)
+    for jumps in (True, False):
+        fits, prompt_too_long, output_overflows, exactly, after = (
+            Req(0.0, 10, 10), Req(0.01, 500, 10), Req(0.02, 50, 60), Req(0.03, 60, 40), Req(0.04, 10, 10))
+        reqs = [fits, prompt_too_long, output_overflows, exactly, after]
+        sim = Simulation(FLAT, config, reqs, workers=1, jumps=jumps)
+        sim.run()
+        for r in (fits, exactly, after):
+            assert r.done is not None and r.generated == r.output
+        assert sim.refused == [prompt_too_long, output_overflows]
+        assert [r.refused for r in reqs] == [False, True, True, False, False]
+        for r in (prompt_too_long, output_overflows):
+            assert r.first_token is None and r.done is None and r.generated == 0
+        assert sim.workers[0].kv_used == 0
+        f = figures(reqs, SLO)
+        assert f["requests"] == 3 and f["refused"] == 2 and f["ttft_p99"] is not None
+
+
+def test_capacity_is_not_searched_for_requests_that_never_fit():
+    with pytest.raises(ValueError, match="larger than the KV cache"):
+        worker_capacity(FLAT, WorkerConfig(kv_tokens=100), SLO, prompt=90, output=20, seed=0)
+
+
+def plan_cli(tmp_path, traffic, *extra, name="plan"):
+    write_profile(tmp_path / "profile.json")
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "inferd", "plan", "--traffic", str(traffic), "--slo", "ttft_p99=500ms",
+                           "--profile", str(tmp_path / "profile.json"), "--max-num-seqs", "1", "--worker-capacity",
+                           "20", "--out", str(out), *extra], capture_output=True, text=True, timeout=120)
+    return proc, out
+
+
+def test_the_plan_reports_requests_larger_than_the_kv_cache(tmp_path):
+    # a trace of 4 requests at 00:00:00-00:00:03 against a 100-token cache: one whose prompt alone is too long, one
+    # whose output overflows; the other two are served and measured
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t,prompt_tokens,output_tokens\n0,10,10\n1,500,10\n2,10,10\n3,50,100\n")
+    proc, out = plan_cli(tmp_path, trace, "--kv-tokens", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert "**2 of the day's 4 requests (50.0%) can never run**" in proc.stdout
+    assert "up to 510 tokens) is more than the KV cache (100 tokens)" in proc.stdout
+    assert "| 00 | 0.00 | 0 | 1 | 2 | 1.0, 100ms, yes |" in proc.stdout  # the hour's row: 2 refused, 2 served in time
+    result = json.loads((out / "plan.json").read_text())
+    assert result["requests"] == 4 and result["refused"] == 2 and result["refused_per_hour"][:2] == [2, 0]
+    assert result["summary"][0]["hours_meeting_slo"] == 1 and result["summary"][0]["within_ttft"] == 1.0
+    assert (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_day_with_nothing_to_serve_is_a_plan_that_says_so(tmp_path):
+    # every hour at 0 req/s, a trace of only its header, and a day whose every request is larger than the cache: no
+    # hour needs a worker (no simulation, no division by the number of requests)
+    zero = tmp_path / "zero.csv"
+    hours_csv(zero, {h: 0.0 for h in range(24)})
+    empty = tmp_path / "empty.csv"
+    empty.write_text("t,prompt_tokens,output_tokens\n")
+    too_big = tmp_path / "too_big.csv"
+    too_big.write_text("t,prompt_tokens,output_tokens\n5,500,1\n3605,99,2\n")
+    for traffic, why in ((zero, "The traffic has no requests"), (empty, "The traffic has no requests"),
+                         (too_big, "Every one of the day's 2 requests is larger than the KV cache")):
+        proc, out = plan_cli(tmp_path, traffic, "--kv-tokens", "100", "--min-workers", "2", name=traffic.stem)
+        assert proc.returncode == 0, proc.stderr
+        assert f"{why}: no hour needs a worker" in proc.stdout
+        assert "--min-workers 2 (48 worker-hours, 48.00 at 1 per worker-hour)" in proc.stdout
+        result = json.loads((out / "plan.json").read_text())
+        assert result["need"] == [0] * 24 and result["summary"] == []
+        assert result["refused"] == (2 if traffic is too_big else 0)
+    assert result["refused_per_hour"][:2] == [1, 1] and result["largest_refused_tokens"] == 501
