@@ -54,14 +54,18 @@ def hf_smollm2_fp32(smollm2_gguf_path):
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
+
+
 def _save_tiny(path: Path, arch: str, tokenizer, **overrides) -> Path:
     import torch
+    from parity import PEAKED_INIT
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1234)
     common = dict(vocab_size=len(tokenizer.hf), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_ids[0])
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_ids[0],
+                  initializer_range=PEAKED_INIT)
     common.update(overrides)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -1,8 +1,10 @@
 """Streams as a client sees them (token ids, their logprobs, arrival times, errors), and their comparison with the
 same request on an undisturbed server by the exactness rule (tests/parity.py):
 
+- on every compared position the chosen token's logprob and the top-20 logprobs both streams list agree within the
+  float32 bound (at the scale of the reference's top-20 logprobs);
 - greedy: a divergence is accepted only at a position where the reference's top-2 logprob gap (= logit gap) is below
-  max(1e-3, 10x the largest logprob difference seen on the positions matched before it);
+  that bound;
 - seeded sampling: only where the position's uniform draw lies within 1e-3 of a boundary of the CDF of the filtered
   distribution, rebuilt from the reference's top-20 logprobs (the requests use top_k <= 20, so those hold every
   token the sampler could pick, and softmax is shift-invariant: logprobs give the same distribution as logits).
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import torch
-from parity import assert_sampling_match, greedy_divergence, top2_gap
+from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
 from servers import aiter_sse
 
 from inferd.engine.request import SamplingParams
@@ -98,12 +100,21 @@ def assert_same_stream(ours: Stream, ref: Stream, body: dict, num_prompt_tokens:
     assert ours.finish_reason == ref.finish_reason == "length"
     if body.get("seed") is None:
         greedy_divergence(ours.tokens, ref.tokens, lambda i: top2_gap(list(ref.tops[i].values())),
-                          lambda i: abs(ours.logprobs[i] - ref.logprobs[i]), "greedy stream")
+                          lambda i: logprob_diff(ours, ref, i), "greedy stream",
+                          scale_at=lambda i: scale_of(list(ref.tops[i].values())))
         return
     params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
                             top_p=body.get("top_p", 1.0), seed=body["seed"])
     assert_sampling_match(ours.tokens, ref.tokens, [top_logits(top) for top in ref.tops], params, body["seed"],
-                          num_prompt_tokens, "seeded stream")
+                          num_prompt_tokens, "seeded stream", diff_at=lambda i: logprob_diff(ours, ref, i))
+
+
+def logprob_diff(ours: Stream, ref: Stream, i: int) -> float:
+    """How far position i's logprobs are apart: the chosen token's, and those of the tokens both top lists hold (a
+    token at the edge of one top-20 may be missing from the other)."""
+    common = ours.tops[i].keys() & ref.tops[i].keys()
+    assert common, f"position {i}: the top logprobs share no token"
+    return max([abs(ours.logprobs[i] - ref.logprobs[i])] + [abs(ours.tops[i][t] - ref.tops[i][t]) for t in common])
 
 
 def top_logits(top: dict[int, float]) -> torch.Tensor:

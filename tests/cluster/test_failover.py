@@ -14,8 +14,9 @@ import time
 import jsonschema
 import pytest
 from cluster_util import random_prompts
-from parity import assert_sampling_match, greedy_divergence, top2_gap
-from streams import Stream, add_choice, assert_same_stream, request_body, run_all, stream_completion, top_logits
+from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
+from streams import (Stream, add_choice, assert_same_stream, logprob_diff, request_body, run_all, stream_completion,
+                     top_logits)
 
 from inferd.engine.request import SamplingParams
 
@@ -199,12 +200,14 @@ def test_a_constrained_stream_whose_worker_is_killed_continues_exactly(cluster, 
         body = requests[i]
         if body.get("seed") is None:
             at = greedy_divergence(a.tokens, b.tokens, lambda k: top2_gap(list(b.tops[k].values())),
-                                   lambda k: abs(a.logprobs[k] - b.logprobs[k]), "constrained greedy stream")
+                                   lambda k: logprob_diff(a, b, k), "constrained greedy stream",
+                                   scale_at=lambda k: scale_of(list(b.tops[k].values())))
         else:
             params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
                                     seed=body["seed"])
             at = assert_sampling_match(a.tokens[:n], b.tokens[:n], [top_logits(t) for t in b.tops[:n]], params,
-                                       body["seed"], len(prompts[i]), "constrained seeded stream")
+                                       body["seed"], len(prompts[i]), "constrained seeded stream",
+                                       diff_at=lambda k: logprob_diff(a, b, k))
         if at == n:  # no divergence: the same output, ended the same way
             assert len(a.tokens) == len(b.tokens) and a.finish_reason == b.finish_reason
         if a.finish_reason == "stop":

@@ -5,6 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from parity import PEAKED_HEAD
+
 from inferd.config import EngineConfig
 from inferd.engine import Engine
 from inferd.engine.runner import kv_bytes_per_block
@@ -12,7 +14,9 @@ from inferd.engine.runner import kv_bytes_per_block
 
 @pytest.fixture(scope="session")
 def micro():
-    """A 2-layer random Llama with a 512-token vocabulary, built in memory (no tokenizer): for engine mechanics."""
+    """A 2-layer random Llama with a 512-token vocabulary, built in memory (no tokenizer): for engine mechanics. Its
+    weights keep transformers' default spread, whose repetitive output gives n-gram drafts something to find; its
+    head is scaled instead, so its logits are peaked as the rule needs (tests/parity.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from inferd.models.build import build_model
@@ -23,6 +27,8 @@ def micro():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
     hf = LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # a scaled head: peaked logits (near-ties rare), the same greedy choices as unscaled
+        hf.model.norm.weight.mul_(PEAKED_HEAD)
     cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
     model = build_model(cfg, hf.state_dict(), torch.float32)
 

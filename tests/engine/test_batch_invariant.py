@@ -117,12 +117,16 @@ def test_speculative_verification_keeps_the_logits_of_plain_decoding(model):
     """Drafts verified k + 1 rows at a time (--speculative ngram) give each position the logits that decoding it
     one token at a time gives: the verify pass is one more prefill chunk to the mode."""
     name, (_, cfg, _) = model
-    params = [SamplingParams(max_tokens=2 * NEW, temperature=0, ignore_eos=True)]
     start = _prompts(cfg.vocab_size, [12], seed=5)[0]
-    # the prompt, its continuation, the prompt again: the n-gram lookup drafts that continuation
+    # a logit bias toward the prompt's tokens makes the model repeat them, where the n-gram lookup (from one token
+    # on) finds them and drafts what followed (the peaked tiny model seldom repeats itself unprompted; a bias, unlike
+    # a penalty, leaves drafting on)
+    params = [SamplingParams(max_tokens=2 * NEW, temperature=0, ignore_eos=True,
+                             logit_bias=[[t, 20.0] for t in set(start)])]
+    # the prompt, its continuation, the prompt again
     prompt = start + _run(_engine(model), [start], params, [0])[0].output_token_ids + start
     plain = _run(_engine(model), [prompt], params, [0])[0]
-    spec_engine = _engine(model, speculative="ngram", num_draft=3)
+    spec_engine = _engine(model, speculative="ngram", num_draft=3, ngram_min=1)
     spec = _run(spec_engine, [prompt], params, [0])[0]
     assert spec_engine.stats.spec_drafted > 0, spec_engine.stats  # rows verified beside their drafts
     assert spec.output_token_ids == plain.output_token_ids

@@ -85,9 +85,7 @@ def test_static_path_gives_the_normal_path_tokens(micro):
     ours, _ = run_staggered(static, prompts, params)
     for i, (ref, req) in enumerate(zip(ref_reqs, ours)):
         reference = Reference(ref.output_token_ids, torch.stack(ref.debug_logits).numpy())
-        matched = assert_greedy_parity(req.output_token_ids, req.debug_logits, reference, f"prompt {i}")
-        diffs = [float((a - b).abs().max()) for a, b in zip(req.debug_logits[:matched], ref.debug_logits)]
-        assert max(diffs) < 1e-3, f"prompt {i}: logits differ by up to {max(diffs)}"
+        assert_greedy_parity(req.output_token_ids, req.debug_logits, reference, f"prompt {i}")
     steps = static.runner.decode_graphs.steps
     assert len({b for b, _ in steps}) >= 3, steps  # several padded batch sizes
     assert len({c for _, c in steps}) >= 3, steps  # uneven contexts in several buckets

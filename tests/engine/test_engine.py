@@ -9,7 +9,7 @@ import torch
 
 from inferd.engine import AsyncEngine, InvalidRequestError, SamplingParams
 from inferd.engine.sampler import filtered_sorted_probs, sample_row
-from tests.parity import assert_sampling_match, greedy_divergence, top2_gap
+from tests.parity import assert_sampling_match, greedy_divergence, row_diff, scale_of, top2_gap
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 11, 64, 128, 3, 9]
 
@@ -107,20 +107,22 @@ def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
     solo_engine = micro.engine(record_logits=True)
     [solo] = solo_engine.generate([PROMPT], params)
     # the same request inside a busy, chunked batch with other seeds
-    busy = micro.engine(max_num_batched_tokens=16, max_num_seqs=8)
+    busy = micro.engine(max_num_batched_tokens=16, max_num_seqs=8, record_logits=True)
     others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
     reqs = busy.generate([list(range(10 + s, 40 + s)) for s in range(5)] + [PROMPT], others + [params])
     n = len(PROMPT)
-    assert_sampling_match(reqs[-1].output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n)
+    assert_sampling_match(reqs[-1].output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n,
+                          diff_at=lambda i: row_diff(reqs[-1].debug_logits[i], solo.debug_logits[i]))
     # replay from a prefix of its own output: the continuation is the same
     for k in (1, 17, 39):
-        replay_engine = micro.engine()
+        replay_engine = micro.engine(record_logits=True)
         rid = replay_engine.add_request(PROMPT + solo.output_token_ids[:k], params, num_prompt_tokens=n)
         req = replay_engine.requests[rid]
         run(replay_engine)
-        assert req.num_output_tokens == 40
+        assert req.num_output_tokens == 40 and len(req.debug_logits) == 40 - k
         assert_sampling_match(req.output_token_ids[k:], solo.output_token_ids[k:], solo.debug_logits[k:],
-                              params, 1234, n + k)
+                              params, 1234, n + k,
+                              diff_at=lambda i: row_diff(req.debug_logits[i], solo.debug_logits[k + i]))
     # a different seed gives a different sample
     [other] = micro.engine().generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 4321}))
     assert other.output_token_ids != solo.output_token_ids
@@ -315,8 +317,11 @@ def test_penalised_request_replays_identically(micro):
         apply_penalties(row, PROMPT, orig.output_token_ids[:i], params)
         return top2_gap(row)
 
-    # by the exactness rule, and never inside the k tokens given as already generated
-    assert greedy_divergence(req.output_token_ids, orig.output_token_ids, penalised_gap) >= k
+    # the k tokens given as already generated are kept; the rest by the exactness rule (raw logits, penalised gaps)
+    assert req.output_token_ids[:k] == orig.output_token_ids[:k]
+    greedy_divergence(req.output_token_ids[k:], orig.output_token_ids[k:], lambda i: penalised_gap(k + i),
+                      lambda i: row_diff(req.debug_logits[i], orig.debug_logits[k + i]), "penalised replay",
+                      scale_at=lambda i: scale_of(orig.debug_logits[k + i]))
     assert req.num_output_tokens == orig.num_output_tokens
 
 

@@ -1,8 +1,11 @@
 """Greedy parity with transformers on tiny random Llama (Llama 3 rope scaling, untied head) and Qwen2 (QKV bias,
-tied embeddings) models, under staggered arrivals, chunked prefill, preemption and prefix sharing."""
+tied embeddings) models, under staggered arrivals, chunked prefill, preemption and prefix sharing; and the proof that
+the comparison can fail: the same comparison of deliberately wrong models (a wrong RMSNorm epsilon, RoPE base, key
+head order) must fail it."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +14,7 @@ from parity import assert_greedy_parity, hf_greedy, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
-from inferd.models.build import load_model
+from inferd.models.build import build_model, load_model
 
 PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
 MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]
@@ -30,7 +33,8 @@ def tiny(request, tiny_llama_dir, tiny_qwen2_dir):
     for p in prompts[5:]:
         p[:SHARED_PREFIX] = prompts[5][:SHARED_PREFIX]
     refs = [hf_greedy(lambda: hf, p, n) for p, n in zip(prompts, MAX_NEW)]
-    return SimpleNamespace(name=request.param, model=model, cfg=cfg, tok=tok, prompts=prompts, refs=refs)
+    return SimpleNamespace(name=request.param, model=model, cfg=cfg, tok=tok, prompts=prompts, refs=refs,
+                           hf_state=hf.state_dict())
 
 
 def make_engine(t, blocks: int | None = None, **kw) -> Engine:
@@ -79,3 +83,38 @@ def test_greedy_parity(tiny, scenario):
         # prompts 6 and 7 arrive after prompt 5's shared blocks are computed: 3 full blocks each
         assert engine.kv_cache.stats.hits >= 2 * (SHARED_PREFIX // 16) * 16
         assert reqs[6].num_cached_tokens == reqs[7].num_cached_tokens == SHARED_PREFIX
+
+
+def _swap_key_heads(state: dict, cfg) -> dict:
+    """Every layer's two KV heads' key projections swapped: each query head reads the other group's keys."""
+    state = dict(state)
+    d = cfg.head_dim
+    for name in [n for n in state if n.endswith("k_proj.weight") or n.endswith("k_proj.bias")]:
+        w = state[name].clone()
+        w[:d], w[d:2 * d] = state[name][d:2 * d], state[name][:d]
+        state[name] = w
+    return state
+
+
+MUTATIONS = {
+    # name: (the config ours is built with, the weights)
+    "rms-norm-eps": (lambda cfg: dataclasses.replace(cfg, rms_norm_eps=1e-5), None),  # transformers': 1e-6
+    "rope-base": (lambda cfg: dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 1.01), None),
+    "key-head-order": (None, _swap_key_heads),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_wrong_model_fails_the_rule(tiny, mutation):
+    """The staggered comparison above, of a model built wrong: the rule must fail it. Under the rule as it was (an
+    allowance of 10x the largest logit difference seen) the epsilon and RoPE-base mutations passed every parity
+    test; now the first compared position's logits are beyond the float32 bound."""
+    change_cfg, change_weights = MUTATIONS[mutation]
+    cfg = change_cfg(tiny.cfg) if change_cfg else tiny.cfg
+    assert cfg.num_key_value_heads == 2
+    state = change_weights(tiny.hf_state, tiny.cfg) if change_weights else tiny.hf_state
+    wrong = SimpleNamespace(**{**vars(tiny), "model": build_model(cfg, state, torch.float32), "cfg": cfg})
+    kw, blocks, every = SCENARIOS["staggered"]
+    reqs, _ = run_staggered(make_engine(wrong, blocks, **kw), tiny.prompts, [greedy(n) for n in MAX_NEW], every)
+    with pytest.raises(AssertionError, match="beyond the float32 bound"):
+        check_all(tiny, reqs)

@@ -48,7 +48,7 @@ def assert_same_as_alone(micro, engine_kw: dict, reqs: list[Request]) -> None:
 def test_important_request_preempts_for_a_sequence_slot(micro, sampling):
     seeds = {"a": 11, "b": 22, "h": 33} if sampling == "seeded" else dict.fromkeys("abh")
     kw = dict(max_num_seqs=2)
-    engine = micro.engine(**kw)
+    engine = micro.engine(**kw, record_logits=True)
     a = add(engine, "a", prompt(1, 12), params(2, 20, seeds["a"]))
     engine.step()
     b = add(engine, "b", prompt(2, 9), params(2, 20, seeds["b"]))
@@ -73,7 +73,7 @@ def test_important_request_preempts_for_a_sequence_slot(micro, sampling):
 
 def test_important_request_preempts_for_kv_room(micro):
     kw = dict(blocks=4)  # 64 tokens: two requests of 17 + 15 tokens (2 blocks each) fill it
-    engine = micro.engine(**kw)
+    engine = micro.engine(**kw, record_logits=True)
     a = add(engine, "a", prompt(4, 17), params(2, 15))
     b = add(engine, "b", prompt(5, 17), params(2, 15))
     for _ in range(3):
@@ -95,7 +95,7 @@ def test_important_request_preempts_for_kv_room(micro):
 @pytest.mark.parametrize("limit", ["slots", "kv"])
 def test_equal_priority_never_preempts_for_admission(micro, limit):
     kw = dict(max_num_seqs=2) if limit == "slots" else dict(blocks=4)
-    engine = micro.engine(**kw)
+    engine = micro.engine(**kw, record_logits=True)
     a = add(engine, "a", prompt(7, 17), params(1, 15))
     b = add(engine, "b", prompt(8, 17), params(1, 15))
     engine.step()
@@ -112,7 +112,7 @@ def test_equal_priority_never_preempts_for_admission(micro, limit):
 @pytest.mark.parametrize("limit", ["slots", "kv"])
 def test_more_important_request_is_never_preempted_for_a_less_important_one(micro, limit):
     kw = dict(max_num_seqs=2) if limit == "slots" else dict(blocks=4)
-    engine = micro.engine(**kw)
+    engine = micro.engine(**kw, record_logits=True)
     a = add(engine, "a", prompt(10, 17), params(0, 15))
     b = add(engine, "b", prompt(11, 17), params(0, 15))
     engine.step()
@@ -129,7 +129,7 @@ def test_the_victim_is_the_least_important_not_the_latest(micro):
     """Running: a (priority 2, admitted first) and b (priority 1, admitted last). A priority-0 request could take
     either slot; it takes a's, the least important, although b is the most recently admitted."""
     kw = dict(max_num_seqs=2)
-    engine = micro.engine(**kw)
+    engine = micro.engine(**kw, record_logits=True)
     a = add(engine, "a", prompt(13, 11), params(2, 20))
     engine.step()
     b = add(engine, "b", prompt(14, 8), params(1, 20))

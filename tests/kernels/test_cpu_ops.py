@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import greedy_divergence, top2_gap
 
 from inferd import kernels
 from inferd.kernels import build, reference

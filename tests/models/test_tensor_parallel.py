@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from parity import Reference, assert_greedy_parity, assert_sampling_match, run_staggered
+from parity import Reference, assert_greedy_parity, assert_sampling_match, row_diff, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
@@ -77,11 +77,9 @@ def test_tp2_equals_one_process(both):
         assert_greedy_parity(ours.output_token_ids, ours.debug_logits, reference, f"{both.name} prompt {i}")
     # seeded sampling draws the same tokens from (all but) the same logits
     ours, ref = reqs[SAMPLED], both.ref[SAMPLED]
-    compared = assert_sampling_match(ours.output_token_ids, ref.output_token_ids, ref.debug_logits, ours.params,
-                                     ours.params.seed, ref.num_prompt_tokens, f"{both.name} sampled")
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours.debug_logits[:compared + 1],
-                                                          ref.debug_logits[:compared + 1]))
-    assert diff < 1e-4, diff  # up to the first divergence (if any), the logits are all but equal
+    assert_sampling_match(ours.output_token_ids, ref.output_token_ids, ref.debug_logits, ours.params,
+                          ours.params.seed, ref.num_prompt_tokens, f"{both.name} sampled",
+                          diff_at=lambda i: row_diff(ours.debug_logits[i], ref.debug_logits[i]))
 
 
 def test_each_rank_holds_its_share(both):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from parity import Reference, assert_greedy_parity
+from parity import greedy_divergence, scale_of, top2_gap
 
 from inferd.config import (MAX_HANDSHAKE_FRAME_BYTES, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS,
                            WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig)
@@ -34,7 +34,8 @@ LONG = 800  # output tokens of a request still running when the test acts on it 
 
 
 def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    # logprobs: the exactness rule compares the worker's numbers, not only its tokens
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,21 @@ def prompts(reference):
     return [torch.randint(0, reference.model_config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def assert_same_greedy(ours: list[int], ref_req) -> None:
-    """By the exactness rule (tests/parity.py), against the offline engine's recorded logits."""
-    ref = Reference(ref_req.output_token_ids, torch.stack(ref_req.debug_logits).numpy())
-    assert_greedy_parity(ours, None, ref)
+def assert_same_greedy(outs, ref_req) -> None:
+    """A worker's outputs equal the offline engine's request by the exactness rule (tests/parity.py): tokens, and
+    the logprobs sent with them against the log-softmax of the recorded logits."""
+    ours = tokens(outs)
+    sent = [lp for out in outs for lp in out.logprobs]
+    assert len(ours) == len(ref_req.output_token_ids) == len(sent)
+    ref_logprobs = [torch.log_softmax(row.float(), dim=-1) for row in ref_req.debug_logits]
+
+    def diff(i: int) -> float:
+        row = ref_logprobs[i]
+        return max([abs(sent[i].logprob - float(row[sent[i].token_id]))]
+                   + [abs(value - float(row[token])) for token, value in sent[i].top])
+
+    greedy_divergence(ours, ref_req.output_token_ids, lambda i: top2_gap(ref_req.debug_logits[i]), diff, "worker",
+                      scale_at=lambda i: scale_of(ref_req.debug_logits[i]))
 
 
 async def collect(client: WorkerClient, request_id: str, prompt: list[int], params: SamplingParams, **kw):
@@ -88,7 +100,7 @@ def test_concurrent_streams_match_the_offline_engine(worker, reference, prompts)
     streams, batched = asyncio.run(main())
     assert batched >= 1  # at least one engine step carried several requests in one message
     for outs, prompt, n, ref in zip(streams, prompts, MAX_NEW, refs):
-        assert_same_greedy(tokens(outs), ref)
+        assert_same_greedy(outs, ref)
         last = outs[-1]
         assert last.finished and last.finish_reason == "length" and not any(o.finished for o in outs[:-1])
         assert (last.num_prompt_tokens, last.num_output_tokens) == (len(prompt), n)
@@ -119,7 +131,7 @@ def test_invalid_requests_are_rejected_without_disturbing_others(worker, referen
     messages, unsendable, good = asyncio.run(main())
     assert messages == expected
     assert "cannot be sent" in unsendable  # JSON has no NaN: refused by the client itself
-    assert_same_greedy(tokens(good), ref)
+    assert_same_greedy(good, ref)
     assert good[-1].finish_reason == "length"
 
 
@@ -194,8 +206,8 @@ def test_two_connections_are_served_at_once_each_with_its_own_requests(worker, r
             return outs, rest_b
 
     (out_a, out_b), rest_b = asyncio.run(main())
-    assert_same_greedy(tokens(out_a), refs[0])
-    assert_same_greedy(tokens(out_b), refs[1])
+    assert_same_greedy(out_a, refs[0])
+    assert_same_greedy(out_b, refs[1])
     assert rest_b[-1].finished and rest_b[-1].num_output_tokens == 60
 
 

@@ -1,0 +1,114 @@
+"""ModelConfig against the transformers model it stands for, field by field: each field is checked against what the
+transformers model built from the same config actually uses (the epsilon its norms hold, the inverse frequencies its
+rotary embedding computes, its projections' shapes and biases, its head tied or not), for the tiny Llama and Qwen2
+and for the default GGUF. A ModelConfig field without a check here fails the test: a new field gets one."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from parity import COMMITTED_REFS
+
+from inferd.models.config import ModelConfig
+from inferd.models.loader import load_model_config
+from inferd.models.rope import rope_inv_freq
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _eos(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+# ModelConfig field -> (ours, the transformers model) -> None, or raises AssertionError
+CHECKS = {
+    "architecture": lambda c, hf: type(hf).__name__ == HF_CLASSES[c.architecture],
+    "vocab_size": lambda c, hf: hf.model.embed_tokens.num_embeddings == hf.lm_head.out_features == c.vocab_size,
+    "hidden_size": lambda c, hf: hf.model.embed_tokens.embedding_dim == c.hidden_size,
+    "intermediate_size": lambda c, hf: all(layer.mlp.gate_proj.out_features == layer.mlp.up_proj.out_features
+                                           == c.intermediate_size for layer in hf.model.layers),
+    "num_hidden_layers": lambda c, hf: len(hf.model.layers) == c.num_hidden_layers,
+    "num_attention_heads": lambda c, hf: all(layer.self_attn.q_proj.out_features == c.num_attention_heads * c.head_dim
+                                             for layer in hf.model.layers),
+    "num_key_value_heads": lambda c, hf: all(layer.self_attn.k_proj.out_features == layer.self_attn.v_proj.out_features
+                                             == c.num_key_value_heads * c.head_dim for layer in hf.model.layers),
+    "head_dim": lambda c, hf: all(layer.self_attn.head_dim == c.head_dim for layer in hf.model.layers),
+    "rms_norm_eps": lambda c, hf: all(norm.variance_epsilon == c.rms_norm_eps for norm in
+                                      [hf.model.norm] + [n for layer in hf.model.layers
+                                                         for n in (layer.input_layernorm,
+                                                                   layer.post_attention_layernorm)]),
+    # the rotary tables: ours from rope_theta and rope_scaling, transformers' from its own rope parameters
+    "rope_theta": lambda c, hf: torch.equal(rope_inv_freq(c), hf.model.rotary_emb.inv_freq.float()),
+    "rope_scaling": lambda c, hf: torch.equal(rope_inv_freq(c), hf.model.rotary_emb.inv_freq.float())
+    and hf.model.rotary_emb.attention_scaling == 1.0,
+    "max_position_embeddings": lambda c, hf: hf.config.max_position_embeddings == c.max_position_embeddings,
+    "tie_word_embeddings": lambda c, hf: (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr())
+    == c.tie_word_embeddings,
+    "attention_bias": lambda c, hf: all((layer.self_attn.q_proj.bias is not None) == (layer.self_attn.k_proj.bias
+                                        is not None) == (layer.self_attn.v_proj.bias is not None) == c.attention_bias
+                                        and layer.self_attn.o_proj.bias is None for layer in hf.model.layers),
+    "bos_token_id": lambda c, hf: hf.config.bos_token_id == c.bos_token_id,
+    "eos_token_ids": lambda c, hf: _eos(hf.config.eos_token_id) == c.eos_token_ids,
+}
+
+
+def test_every_field_has_a_check():
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(CHECKS)
+
+
+def assert_matches(ours: ModelConfig, hf) -> None:
+    wrong = [name for name, check in CHECKS.items() if not check(ours, hf)]
+    assert not wrong, f"ModelConfig disagrees with transformers on {wrong}: {ours}"
+
+
+def hf_gguf_config(path: str):
+    """transformers' config of a GGUF file. Reading it costs ~18 s (the whole file is parsed), so it is committed
+    beside the compact references (tests/data/hf-reference), keyed by the file's size and transformers' version."""
+    import transformers
+    from transformers import AutoConfig
+
+    key = json.dumps(["gguf-config", os.path.getsize(path), transformers.__version__])
+    stored = COMMITTED_REFS / f"config-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if not stored.exists():
+        folder, name = os.path.split(path)
+        stored.write_text(json.dumps(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), indent=1,
+                                     sort_keys=True) + "\n")
+    d = json.loads(stored.read_text())
+    return transformers.CONFIG_MAPPING[d["model_type"]].from_dict(d)
+
+
+def hf_model(hf_config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("which", ["tiny-llama", "tiny-qwen2"])
+def test_tiny_models(which, tiny_llama_dir, tiny_qwen2_dir):
+    from transformers import AutoConfig
+
+    path = tiny_llama_dir if which == "tiny-llama" else tiny_qwen2_dir
+    assert_matches(load_model_config(str(path)), hf_model(AutoConfig.from_pretrained(path)))
+
+
+def test_default_gguf(smollm2_gguf_path):
+    assert_matches(load_model_config(smollm2_gguf_path), hf_model(hf_gguf_config(smollm2_gguf_path)))
+
+
+@pytest.mark.parametrize("field, wrong", [("rms_norm_eps", 1e-5), ("rope_theta", 500000.0 * 1.01),
+                                          ("num_key_value_heads", 4), ("attention_bias", True),
+                                          ("tie_word_embeddings", True), ("rope_scaling", None)])
+def test_a_wrong_field_is_caught(tiny_llama_dir, field, wrong):
+    """The check can fail: the tiny Llama's config with one field wrong (its epsilon is 1e-6, its RoPE base 5e5 with
+    Llama 3 scaling, 2 KV heads, no bias, an untied head)."""
+    from transformers import AutoConfig
+
+    ours = dataclasses.replace(load_model_config(str(tiny_llama_dir)), **{field: wrong})
+    with pytest.raises(AssertionError, match=field):
+        assert_matches(ours, hf_model(AutoConfig.from_pretrained(tiny_llama_dir)))
