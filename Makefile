@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 INSTALL := $(PIP) install
 
-.PHONY: setup serve chat test bench clean redis-server chromium
+.PHONY: setup serve chat test mutants bench clean redis-server chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,13 @@ chromium:
 
 test: setup redis-server chromium
 	$(BIN)/python -m pytest -q --durations=15
+
+# Mutation testing (docs/development.md): each mutation of tools/mutants.toml applied alone to a scratch copy of the
+# tree, its guarding tests run against it; fails unless every one is caught. Slow (tens of minutes): not part of
+# `make test`. Options: make mutants MUTANTS_ARGS="--only NAME -j 2"
+MUTANTS_ARGS ?=
+mutants: setup redis-server
+	$(BIN)/python tools/mutants.py $(MUTANTS_ARGS)
 
 bench: setup
 	$(BIN)/python bench/engine_throughput.py
