@@ -10,9 +10,10 @@ token-for-token comparison with Hugging Face transformers by it.
 3. A minimum. Each output matches at least the bound's min_compared positions (all of them when shorter) before a
    near-tie may part it: a run that parts from its reference at once proves little. Never fewer tokens.
 
-The rule is proven by mutation (tests/engine/test_exactness_rule.py): a wrong RMSNorm epsilon, RoPE base or q/k
-head order fails it. Measuring the baselines again: `INFERD_PARITY_RECORD=/tmp/parity.jsonl pytest ...` records
-every comparison's largest relative difference; `python tests/parity.py /tmp/parity.jsonl` summarises them.
+The rule is proven by mutation: a wrong RMSNorm epsilon, RoPE base or key-head order fails it
+(tests/engine/test_parity_tiny.py), and tests/test_parity_rule.py pins each clause. Measuring the baselines again:
+`INFERD_PARITY_RECORD=/tmp/parity.jsonl pytest ...` records every comparison's largest relative difference;
+`python tests/parity.py /tmp/parity.jsonl` summarises them.
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ def test_each_mutation_applies_to_the_tree(mutation):
 
 
 def test_every_guarded_area_has_a_mutation():
-    # the exactness rule's entry comes with the rewrite of tests/parity.py (issue 26): drop the exception then
-    missing = set(mutants.AREAS) - {m.area for m in MUTATIONS} - {"exactness rule"}
+    missing = set(mutants.AREAS) - {m.area for m in MUTATIONS}
     assert not missing, f"no mutation guards {sorted(missing)}"
 
 
