@@ -172,6 +172,8 @@ def test_dashboard_in_a_real_browser_under_load(dash_server, tmp_path):
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
     # the data is behind the metrics key; the page itself is open
     assert httpx.get(server.url + "/dashboard/data").status_code == 401
+    tenant = {"Authorization": f"Bearer {keys['alice']}"}  # a tenant's key is no metrics key
+    assert httpx.get(server.url + "/dashboard/data", headers=tenant).status_code == 401
     page_response = httpx.get(server.url + "/dashboard")
     assert page_response.status_code == 200 and "connect-src 'self'" in page_response.headers["content-security-policy"]
     assert httpx.get(server.url + "/dashboard/data?window=0",

@@ -1,7 +1,7 @@
 """A client that disconnects, streaming or not, aborts its request at once: the worker's running count and the
-KV blocks in use (read from /metrics, i.e. the worker's heartbeats) return to zero long before the request would
-have finished, and the engine stops stepping for it. Default model: ~50 ms a step, so a 2,000-token request would
-run for minutes."""
+KV blocks in use (read from /metrics, i.e. the worker's heartbeats), and the gateway's open requests, return to zero
+long before the request would have finished, and the engine stops stepping for it. Default model: ~50 ms a step, so
+a 2,000-token request would run for minutes."""
 
 from __future__ import annotations
 
@@ -13,20 +13,23 @@ import httpx
 LONG = 2000  # tokens the aborted requests ask for
 
 
+# -1 until the worker's first heartbeat: a missing gauge is never taken for an idle worker
 def _running(m):
-    return m.get('inferd_num_requests_running{model="smollm2"}', 0)
+    return m.get('inferd_num_requests_running{model="smollm2"}', -1)
 
 
 def _kv_in_use(m):
-    return m.get('inferd_kv_blocks_in_use{model="smollm2"}', 0)
+    return m.get('inferd_kv_blocks_in_use{model="smollm2"}', -1)
 
 
 def _steps(m):
-    return m.get('inferd_engine_steps_total{model="smollm2"}', 0)
+    return m.get('inferd_engine_steps_total{model="smollm2"}', -1)
 
 
 def _idle(m):
-    return _running(m) == 0 and _kv_in_use(m) == 0
+    """The worker holds nothing, and neither does the gateway (open requests, the worker room they take)."""
+    return (_running(m) == 0 and _kv_in_use(m) == 0 and m.get('inferd_num_requests_waiting{model="smollm2"}') == 0
+            and m.get("inferd_gateway_open_requests") == 0 and m.get("inferd_gateway_in_flight_sequences") == 0)
 
 
 def test_stream_disconnect_frees_the_request(smollm2_server):

@@ -51,7 +51,7 @@ def test_json_object_mode_and_sampled_json_schema(client, smollm2_server):
                                                                                  "a person."),
                                        response_format={"type": "json_object"}, max_tokens=96, temperature=0)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    schema = Person.model_json_schema()  # sampled: the engine tests draw 50 of these (test_structured.py)
+    schema = Person.model_json_schema()  # sampled: the engine tests draw 10 of these (test_structured.py)
     r = client.chat.completions.create(
         model=smollm2_server.model, messages=user("Describe a user as JSON."), seed=11, temperature=1.0,
         max_tokens=160, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema,

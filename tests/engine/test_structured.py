@@ -65,16 +65,20 @@ def text_of(engine, req) -> str:
     return engine.tokenizer.decode(ids)
 
 
-def test_fifty_seeded_samples_at_temperature_one_parse_and_validate(engine):
+SAMPLES = 10  # seeds 1000-1009 here: two of the three roles, ages 21 to 130 (the maximum), 0 to 3 tags, compact and
+# spread-out JSON; 50 (the old count) took 2 to 3 times as long and reached no other path
+
+
+def test_seeded_samples_at_temperature_one_parse_and_validate(engine):
     prompt = chat(engine.tokenizer, "Describe a user of our system as JSON.")
     params = [SamplingParams(max_tokens=160, temperature=1.0, seed=1000 + i, structured=("json", json.dumps(PERSON)))
-              for i in range(50)]
-    reqs = engine.generate([prompt] * 50, params)
+              for i in range(SAMPLES)]
+    reqs = engine.generate([prompt] * SAMPLES, params)
     for req in reqs:
         assert req.finish_reason.value == "stop", text_of(engine, req)
         assert req.output_token_ids[-1] in engine.eos_token_ids  # ended by the grammar's stop token
         jsonschema.validate(json.loads(text_of(engine, req)), PERSON)
-    assert len({tuple(r.output_token_ids) for r in reqs}) > 40  # really sampled
+    assert len({tuple(r.output_token_ids) for r in reqs}) == SAMPLES  # really sampled
 
 
 def test_regex_choice_and_grammar_hold(engine):

@@ -5,6 +5,8 @@ echo worker."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -47,12 +49,14 @@ def test_metrics_without_a_key_hide_the_tenants(server):
     assert 'inferd_tenant_tier{tenant="acme",tier="interactive"}' in text
 
 
-def test_the_dashboards_data_without_a_key_hides_the_tenants(server):
-    open_view = _data(server)
-    assert open_view["tenants_visible"] is False
-    assert open_view["tenant_tokens_in_quota_window"] == {}
-    assert not [k for k in open_view["current"] if "tenant" in k]
-    assert any(k.startswith("inferd_requests_total") for k in open_view["current"])
+def test_the_dashboards_data_without_the_metrics_or_admin_key_hides_the_tenants(server):
+    for headers in (None, bearer(server.keys["acme"])):  # nobody, or a tenant: no tenant's row, its own included
+        open_view = _data(server, headers)
+        assert open_view["tenants_visible"] is False
+        assert open_view["tenant_tokens_in_quota_window"] == {}
+        assert not [k for k in open_view["current"] if "tenant" in k]
+        assert "acme" not in json.dumps(open_view) and "globex" not in json.dumps(open_view)
+        assert any(k.startswith("inferd_requests_total") for k in open_view["current"])
     keyed = _data(server, bearer(ADMIN))
     assert keyed["tenants_visible"] is True
     assert keyed["tenant_tokens_in_quota_window"]["acme"] > 0
