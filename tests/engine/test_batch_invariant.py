@@ -13,7 +13,7 @@ import torch
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
-from tests.parity import greedy_divergence, top2_gap
+from tests.parity import BF16, assert_same_rows, scale_of
 
 NEW = 8
 
@@ -102,13 +102,12 @@ def test_in_float32_too(tiny_llama_dir):
 # plain bf16 differs from itself by rounding only: measured on AVX-512 BF16 at most 0.875 in a logit of 32.5 on the
 # default model (3.5 bf16 ulps of the largest logit), 1 ulp on the tiny one; a real fault (a row given another's
 # context, a wrong position) moves logits by units
-PLAIN_BF16_BOUND = 1 / 16  # of a position's largest |logit|: 8 to 16 bf16 ulps of it
 
 
 def test_without_the_mode_the_same_comparisons_differ_only_by_rounding(model):
     """What the mode buys, and that what it removes is rounding: in plain bf16 the same comparisons are not all
     bitwise equal (prefill and decode rows run different attention kernels on every CPU, a batch other matmul
-    shapes), yet at every position compared the logits agree within PLAIN_BF16_BOUND, and a greedy request's tokens
+    shapes), yet at every position compared the logits agree within the bf16 bound of tests/parity.py, and a greedy request's tokens
     part only at a near-tie (tests/parity.py's rule). Positions after the first token that differs have other
     contexts and are not compared; the one where they part still has the same context and is."""
     name = model[0]
@@ -120,10 +119,10 @@ def test_without_the_mode_the_same_comparisons_differ_only_by_rounding(model):
         parted = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
         diffs = [float((x.float() - y.float()).abs().max()) for x, y in zip(a, b)][:parted + 1]
         for i, d in enumerate(diffs):
-            bound = PLAIN_BF16_BOUND * float(b[i].abs().max())
+            bound = BF16.tolerance(scale_of(b[i]))
             assert d <= bound, f"{label}: logits of position {i} differ by {d:.3g} (bound {bound:.3g})"
         if req.params.greedy:
-            greedy_divergence(ours, theirs, lambda i: top2_gap(b[i]), lambda i: diffs[i], label)
+            assert_same_rows(ours, a, theirs, b, label, BF16)
         if max(diffs) > 0 or parted < len(ours):
             differ.append(f"{label}: {max(diffs):.3g}")
     print("\n".join(differ))
