@@ -297,14 +297,14 @@ def test_quantize_int4_recovers_a_q4_1_grid_exactly():
 
 
 # The int4 kernel (decode steps of up to INT4_MAX_ROWS rows: the fused decoder stack calls it with 32-value groups)
-# against the dense dequantized weights (a prefill of the same tokens), tiny Llama, 3 prompts x 11 decode steps.
-# Their weights differ by the rounding of the kernel's zero point (m + 8 d) to bf16, and their sums by order.
-# Measured (AMD EPYC AVX-512 BF16; seeds 5, 6, 7 of the prompts; fused kernels, INFERD_KERNELS=reference, an AVX2
-# build): largest |difference| 0.0039-0.0049, 0.58-0.76% of the largest |logit| (0.72-0.90: ~1 bf16 step of it),
-# mean KL 2.0e-7 - 3.8e-7 nats. Bounds at 2x: the same roundings on every machine, in another order. Zero points
-# m + 7 d gave 33%, and 16-value groups in quantize.py under the stack's 32 gave 36%.
-INT4_PATHS_MAX_DIFF = 0.015  # of the largest |logit| at the position
-INT4_PATHS_MAX_MEAN_KL = 8e-7
+# against the dense dequantized weights (a prefill of the same tokens), peaked tiny Llama, 3 prompts x 11 decode
+# steps. Their weights differ by the rounding of the kernel's zero point (m + 8 d) to bf16, and their sums by order.
+# Measured (AMD EPYC AVX-512 BF16, fused kernels): largest |difference| 1.6-2.3% of the largest |logit|, mean KL
+# 1.2e-4 - 1.8e-4 nats (on the near-flat tiny models of before, on three compute paths: 0.58-0.76% and 2e-7 - 3.8e-7,
+# i.e. the paths moved them by ~1.3x). Bounds at ~2.2x. Zero points m + 7 d gave 33% and 16-value groups in
+# quantize.py under the stack's 32 gave 36% (near-flat models; 148% on weights at 0.3).
+INT4_PATHS_MAX_DIFF = 0.05  # of the largest |logit| at the position
+INT4_PATHS_MAX_MEAN_KL = 4e-4
 # a top-1 flip between the two paths only where the prefill's top-2 gap is within 4 bf16 steps of its largest
 # logit (2^-6 of it); measured: 1 flip in 99 positions, at a gap of 1 step (0.0039)
 INT4_NEAR_TIE = 2 ** -6
