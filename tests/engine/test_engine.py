@@ -106,13 +106,24 @@ def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
     params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     solo_engine = micro.engine(record_logits=True)
     [solo] = solo_engine.generate([PROMPT], params)
-    # the same request inside a busy, chunked batch with other seeds
+    # the same request inside a busy, chunked batch with other seeds; their prompts are shorter and they outlast
+    # it, so it has the longest context of the batch and every decode of it (sorted shortest context first) is
+    # sampled on a later row than the solo run's row 0: a draw that followed the row, not the position, would differ
     busy = micro.engine(max_num_batched_tokens=16, max_num_seqs=8, record_logits=True)
-    others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
-    reqs = busy.generate([list(range(10 + s, 40 + s)) for s in range(5)] + [PROMPT], others + [params])
+    others = [SamplingParams(max_tokens=44, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
+    rids = [busy.add_request(p, sp) for p, sp in zip([list(range(10 + s, 14 + s)) for s in range(5)] + [PROMPT],
+                                                      others + [params])]
+    seeded = busy.requests[rids[-1]]
+    rows = []  # the rows the seeded request's decodes were sampled on (decodes come first, one row each)
+    while busy.has_unfinished_requests():
+        busy.step()
+        scheduled = [s.request for s in busy.last_schedule.scheduled]
+        if seeded in scheduled and busy.last_schedule.scheduled[scheduled.index(seeded)].num_tokens == 1:
+            rows.append(scheduled.index(seeded))
+    assert len(rows) == params.max_tokens - 1 and min(rows) > 0, rows  # its first token comes from its prefill
     n = len(PROMPT)
-    assert_sampling_match(reqs[-1].output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n,
-                          diff_at=lambda i: row_diff(reqs[-1].debug_logits[i], solo.debug_logits[i]))
+    assert_sampling_match(seeded.output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n,
+                          diff_at=lambda i: row_diff(seeded.debug_logits[i], solo.debug_logits[i]))
     # replay from a prefix of its own output: the continuation is the same
     for k in (1, 17, 39):
         replay_engine = micro.engine(record_logits=True)
