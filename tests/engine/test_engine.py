@@ -157,6 +157,16 @@ def test_a_seeds_draws_over_positions_are_uniform_and_its_own(seed):
     assert not set(us) & set(other)  # equal 53-bit draws by chance: probability below n^2 / 2^53
 
 
+def test_unseeded_requests_sample_with_seeds_of_their_own(micro):
+    """Two requests without a seed, same prompt, temperature 1: each gets its own seed, so their samples differ.
+    They are equal with probability sum over sequences s of P(s)^2 <= max_s P(s): on this model the likeliest
+    64-token continuations measured (the greedy path; 20 samples) have P(s) < 1e-30."""
+    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+    a, b = micro.engine().generate([PROMPT, PROMPT], params)
+    assert a.params.seed is not None and a.params.seed != b.params.seed  # 63 random bits each
+    assert a.output_token_ids != b.output_token_ids
+
+
 def test_inverse_cdf_sampling_follows_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     params = SamplingParams(temperature=1.0)
