@@ -1,5 +1,5 @@
-"""SSE exactly as OpenAI frames it, checked byte by byte with httpx, and 32 concurrent streams that each equal their
-offline result (tiny model)."""
+"""SSE exactly as OpenAI frames it, checked byte by byte with httpx, 32 concurrent streams that each equal their
+offline result, and the seeds of sampled choices (tiny model)."""
 
 from __future__ import annotations
 
@@ -124,3 +124,17 @@ def test_n_choices_stream_and_finish_chunks(tiny_server):
     assert {c["index"]: c["text"] for c in whole.json()["choices"]} == {i: s["text"] for i, s in choices.items()}
     assert whole.json()["usage"]["completion_tokens"] == 30
 
+
+def test_unseeded_requests_sample_differently(tiny_server):
+    """Two requests without a seed for the same prompt at temperature 1 are sampled with seeds of their own, so they
+    differ. Equal with probability sum over sequences s of P(s)^2 <= max_s P(s): the tiny model's 49152-token
+    distributions are flat at temperature 1 (its greedy 32-token path has P < 1e-80), so never by chance."""
+    body = {"model": tiny_server.model, "prompt": "one two three", "max_tokens": 32, "temperature": 1.0,
+            "ignore_eos": True}
+    texts = []
+    for _ in range(2):
+        r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers=tiny_server.headers, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 32
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] != texts[1], texts

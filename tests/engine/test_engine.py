@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferd.engine import AsyncEngine, InvalidRequestError, SamplingParams
-from inferd.engine.sampler import filtered_sorted_probs, sample_row
+from inferd.engine.sampler import filtered_sorted_probs, sample_row, uniform_draw
 from tests.parity import assert_sampling_match, greedy_divergence, row_diff, scale_of, top2_gap
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 11, 64, 128, 3, 9]
@@ -106,13 +106,24 @@ def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
     params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     solo_engine = micro.engine(record_logits=True)
     [solo] = solo_engine.generate([PROMPT], params)
-    # the same request inside a busy, chunked batch with other seeds
+    # the same request inside a busy, chunked batch with other seeds; their prompts are shorter and they outlast
+    # it, so it has the longest context of the batch and every decode of it (sorted shortest context first) is
+    # sampled on a later row than the solo run's row 0: a draw that followed the row, not the position, would differ
     busy = micro.engine(max_num_batched_tokens=16, max_num_seqs=8, record_logits=True)
-    others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
-    reqs = busy.generate([list(range(10 + s, 40 + s)) for s in range(5)] + [PROMPT], others + [params])
+    others = [SamplingParams(max_tokens=44, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
+    rids = [busy.add_request(p, sp) for p, sp in zip([list(range(10 + s, 14 + s)) for s in range(5)] + [PROMPT],
+                                                      others + [params])]
+    seeded = busy.requests[rids[-1]]
+    rows = []  # the rows the seeded request's decodes were sampled on (decodes come first, one row each)
+    while busy.has_unfinished_requests():
+        busy.step()
+        scheduled = [s.request for s in busy.last_schedule.scheduled]
+        if seeded in scheduled and busy.last_schedule.scheduled[scheduled.index(seeded)].num_tokens == 1:
+            rows.append(scheduled.index(seeded))
+    assert len(rows) == params.max_tokens - 1 and min(rows) > 0, rows  # its first token comes from its prefill
     n = len(PROMPT)
-    assert_sampling_match(reqs[-1].output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n,
-                          diff_at=lambda i: row_diff(reqs[-1].debug_logits[i], solo.debug_logits[i]))
+    assert_sampling_match(seeded.output_token_ids, solo.output_token_ids, solo.debug_logits, params, 1234, n,
+                          diff_at=lambda i: row_diff(seeded.debug_logits[i], solo.debug_logits[i]))
     # replay from a prefix of its own output: the continuation is the same
     for k in (1, 17, 39):
         replay_engine = micro.engine(record_logits=True)
@@ -126,6 +137,34 @@ def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
     # a different seed gives a different sample
     [other] = micro.engine().generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 4321}))
     assert other.output_token_ids != solo.output_token_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1234, 2**63 - 1])
+def test_a_seeds_draws_over_positions_are_uniform_and_its_own(seed):
+    """uniform_draw(seed, position) over positions 0..N-1 is one uniform sample per position: distinct numbers whose
+    empirical CDF stays within 1.95/sqrt(N) of the uniform one (the Kolmogorov-Smirnov bound a true uniform sample
+    exceeds with probability 0.001; the draws are a fixed function, so this passes or fails for good), adjacent
+    positions uncorrelated; another seed draws other numbers."""
+    n = 2000
+    us = [uniform_draw(seed, p) for p in range(n)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert len(set(us)) == n
+    ks = max(max((i + 1) / n - u, u - i / n) for i, u in enumerate(sorted(us)))
+    assert ks < 1.95 / n ** 0.5, ks
+    lag1 = sum((a - 0.5) * (b - 0.5) for a, b in zip(us, us[1:])) / (n - 1) * 12  # correlation; sd 1/sqrt(n)
+    assert abs(lag1) < 4 / n ** 0.5, lag1
+    other = [uniform_draw(seed ^ 1, p) for p in range(n)]
+    assert not set(us) & set(other)  # equal 53-bit draws by chance: probability below n^2 / 2^53
+
+
+def test_unseeded_requests_sample_with_seeds_of_their_own(micro):
+    """Two requests without a seed, same prompt, temperature 1: each gets its own seed, so their samples differ.
+    They are equal with probability sum over sequences s of P(s)^2 <= max_s P(s): on this model the likeliest
+    64-token continuations measured (the greedy path; 20 samples) have P(s) < 1e-30."""
+    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+    a, b = micro.engine().generate([PROMPT, PROMPT], params)
+    assert a.params.seed is not None and a.params.seed != b.params.seed  # 63 random bits each
+    assert a.output_token_ids != b.output_token_ids
 
 
 def test_inverse_cdf_sampling_follows_the_distribution():
