@@ -1,7 +1,9 @@
 """Bounded cost per request and per tenant (issue 13, part 3), against a real server on echo workers slowed to
 20 ms a step: one tenant cannot fill the waiting line, room is counted per sequence, a prompt too long to ever fit is
 refused before it is tokenized (and a long one is tokenized off the event loop), /tokenize counts against the
-tenant's request rate, and the HTTP limits (head deadline, head size, connection count) hold."""
+tenant's request rate, a request refused with 503 before it reached a worker (queue timeout, full line) gives its
+request back to the tenant's rate, and the HTTP limits (head deadline, head size, connection count) hold. The rate
+window is 600 s, so a request-rate bucket refills by less than one request during the module."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from starlette.requests import Request
 from gw import bearer, make_keys
 
 STEP_MS = 20
+WINDOW = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -24,19 +27,19 @@ def server(tmp_path_factory, tiny_llama_dir):
     from servers import kill_group, start_server
 
     folder = tmp_path_factory.mktemp("bounds")
-    keys = make_keys(folder / "keys.json", {"a": {}, "b": {}, "slow": {"rpm": 3}})
+    keys = make_keys(folder / "keys.json", {"a": {}, "b": {}, "slow": {"rpm": 3}, "shed": {"rpm": 2}})
     srv = start_server(tiny_llama_dir, folder / "serve.log", "--echo", "--max-model-len", "256",
                        "--heartbeat-interval", "0.1", "--keys", str(folder / "keys.json"), "--max-num-seqs", "2",
                        "--worker-queue-depth", "1", "--max-queue-requests", "4", "--tenant-queue-share", "0.5",
-                       "--http-head-timeout", "1", model_name="tiny",
+                       "--http-head-timeout", "1", "--rate-window", str(WINDOW), model_name="tiny",
                        env={"INFERD_FAULT": f"action=slow,times=0,ms={STEP_MS}"})
     srv.keys = keys
     yield srv
     kill_group(srv.proc)
 
 
-def _post(server, tenant: str, path: str = "/v1/completions", **body) -> httpx.Response:
-    return httpx.post(server.url + path, headers=bearer(server.keys[tenant]), timeout=120,
+def _post(server, tenant: str, path: str = "/v1/completions", headers: dict | None = None, **body) -> httpx.Response:
+    return httpx.post(server.url + path, headers={**bearer(server.keys[tenant]), **(headers or {})}, timeout=120,
                       json={"model": server.model, **body})
 
 
@@ -92,6 +95,37 @@ def test_a_prompt_that_can_never_fit_is_refused_before_tokenizing(server, smollm
     assert "tokens" in r.json()["error"]["message"]
     r = _post(server, "a", prompt="hi " * 700 + "end", max_tokens=1)  # 2.8k characters, under 256 tokens
     assert r.status_code in (200, 400), r.text
+
+
+def test_a_request_refused_with_503_gets_its_request_back(server):
+    """Tenant `shed` (2 requests per window) is refused twice with 503 before any work, once at its queue deadline
+    (it waited in the line, the worker full) and once at once (the line full). Neither counts against its rate: it
+    then gets its 2 requests (200s, 1 then 0 remaining), and only a third one is 429."""
+    _idle(server)
+    with ThreadPoolExecutor(8) as pool:
+        blocker = pool.submit(_post, server, "a", prompt="x y z", max_tokens=150, n=3)  # the worker's 3 places, >= 3 s
+        server.wait_metrics(lambda m: m.get("inferd_gateway_in_flight_sequences") == 3)
+        # a deadline the estimate admits (a few tokens at the drain rate) but the blocker outlasts
+        timed_out = _post(server, "shed", prompt="w", max_tokens=4, headers={"x-inferd-queue-timeout": "0.5"})
+        assert timed_out.status_code == 503, timed_out.text
+        assert timed_out.json()["error"]["code"] == "queue_timeout"
+        waiting = [pool.submit(_post, server, tenant, prompt="w", max_tokens=4) for tenant in ("a", "a", "b", "b")]
+        server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="standard"}') == 4)  # the line is full
+        shed = _post(server, "shed", prompt="w", max_tokens=4)
+        assert shed.status_code == 503, shed.text
+        assert shed.json()["error"]["code"] == "overloaded"
+        for f in [blocker, *waiting]:
+            assert f.result().status_code == 200
+    _idle(server)
+    first = _post(server, "shed", prompt="w", max_tokens=1)
+    assert first.status_code == 200, f"the 503s were counted against the rate: {first.text}"
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    second = _post(server, "shed", prompt="w", max_tokens=1)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    third = _post(server, "shed", prompt="w", max_tokens=1)
+    assert third.status_code == 429 and "requests" in third.json()["error"]["message"], third.text
 
 
 def test_tokenize_counts_against_the_request_rate(server):
