@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,20 +143,22 @@ def test_a_chat_and_an_embedding_model_behind_one_server(client, server):
     assert client.embeddings.create(model="all-MiniLM-L6-v2", input="still fine").data
 
 
+def embedding_batch(client, bodies: list[dict]):
+    """A /v1/embeddings batch of these bodies (custom ids e0, e1, ...), once it has ended."""
+    import io
+
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+             for i, body in enumerate(bodies)]
+    f = client.files.create(file=("e.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    return wait_status(client, b.id, ("completed", "failed"))
+
+
 def test_a_batch_of_embeddings(client, reference):
     """The Batch API's /v1/embeddings endpoint: lines through the same service, vectors as sentence-transformers'."""
-    import io
     import json
 
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-              "body": {"model": "all-MiniLM-L6-v2", "input": t}} for i, t in enumerate(TEXTS)]
-    f = client.files.create(file=("e.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    b = embedding_batch(client, [{"model": "all-MiniLM-L6-v2", "input": t} for t in TEXTS])
     assert b.status == "completed" and b.request_counts.completed == len(TEXTS)
     out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
     expected = reference.encode(TEXTS, convert_to_numpy=True)
@@ -167,7 +170,6 @@ def test_a_batch_of_embeddings_answers_as_the_endpoint_does(client, server, tiny
     """Each line of a /v1/embeddings batch gets the answer /v1/embeddings gives the same body (the workers run in
     float32: start_server's --dtype): the same model, indices and usage, vectors within 1e-5 of each other (what
     batching with other inputs may move them), base64 as asked, and an invalid line the endpoint's 400."""
-    import io
     import json
 
     bodies = [{"model": "all-MiniLM-L6-v2", "input": TEXTS[0]},
@@ -177,15 +179,7 @@ def test_a_batch_of_embeddings_answers_as_the_endpoint_does(client, server, tiny
               {"input": TEXTS[4], "encoding_format": "base64"},
               {"model": "all-MiniLM-L6-v2", "input": TEXTS[2], "dimensions": 8},
               {"model": "all-MiniLM-L6-v2", "input": []}]
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
-             for i, body in enumerate(bodies)]
-    f = client.files.create(file=("e.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    b = embedding_batch(client, bodies)
     assert b.status == "completed" and b.request_counts.total == len(bodies)
     results = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
     if b.error_file_id:

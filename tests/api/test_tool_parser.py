@@ -27,36 +27,17 @@ LLAMA = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius
         '"parameters": {"tz": "UTC"}}'
 
 
-def run(fmt: str, text: str, chunk: int):
-    parser = ToolCallParser(FORMATS[fmt])
-    content, args, opened = "", {}, []
-    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)] or [""]
-    for i, piece in enumerate(pieces):
-        for item in parser.feed(piece, final=i == len(pieces) - 1):
-            if item[0] == "content":
-                content += item[1]
-            else:
-                call, fragment, first = item[1:]
-                if first:
-                    opened.append((call.index, call.name))
-                args[call.index] = args.get(call.index, "") + fragment
-    return content, args, opened, parser.result()
-
-
 @pytest.mark.parametrize("fmt,text", [("hermes", HERMES), ("llama3_json", LLAMA)])
 def test_streamed_deltas_equal_the_whole_answer(fmt, text):
-    whole = run(fmt, text, len(text))
+    whole = parse_in(fmt, [text])
     for chunk in (1, 2, 3, 7):
-        streamed = run(fmt, text, chunk)
-        assert streamed[:3] == whole[:3], chunk
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed[3][1]] == \
-               [(c["function"]["name"], c["function"]["arguments"]) for c in whole[3][1]]
-    content, args, opened, (final_content, calls) = whole
-    assert opened == [(0, "get_weather"), (1, "get_time")]
-    assert [json.loads(a) for a in args.values()] == [json.loads(c["function"]["arguments"]) for c in calls]
-    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris {1}", "Oslo")
+        assert parse_in(fmt, [text[i:i + chunk] for i in range(0, len(text), chunk)]) == whole, chunk
+    content, calls, (final_content, final_calls) = whole
+    assert [name for name, _ in calls] == ["get_weather", "get_time"]
+    assert [json.loads(a) for _, a in calls] == [json.loads(a) for _, a in final_calls]
+    assert json.loads(final_calls[0][1])["city"] in ("Paris {1}", "Oslo")
     if fmt == "hermes":
-        assert final_content == "Let me check." and json.loads(calls[1]["function"]["arguments"]) == {"tz": 'a"}b'}
+        assert final_content == "Let me check." and json.loads(final_calls[1][1]) == {"tz": 'a"}b'}
     else:
         assert final_content is None  # the "; " between two llama calls is no content
 
