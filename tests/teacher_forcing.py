@@ -32,13 +32,18 @@ def agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> Agreement:
     return Agreement(top1, kl.mean().item(), kl.max().item(), len(kl))
 
 
-def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
-    """Float32 logits at every position of ids, in one prefill through the engine's runner and KV cache (an idle
-    engine of its own: its blocks are free to write)."""
+def teacher_forced_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Float32 logits at every position of ids through the engine's runner and KV cache (an idle engine of its own:
+    its blocks are free to write): in one prefill, or chunk tokens at a time (every chunk after the first then
+    attends to its context as read back from the cache)."""
     blocks = list(range(-(-len(ids) // engine.config.block_size)))
+    chunk = chunk or len(ids)
+    out = []
     with torch.inference_mode():
-        hidden, _ = engine.runner.forward([StepRow(ids, 0, blocks, True)])
-        return engine.runner.model.compute_logits(hidden)
+        for s in range(0, len(ids), chunk):
+            hidden, _ = engine.runner.forward([StepRow(ids[s:s + chunk], s, blocks, True)])
+            out.append(engine.runner.model.compute_logits(hidden))
+    return torch.cat(out)
 
 
 def hf_teacher_forced_logits(hf_model, ids: list[int]) -> torch.Tensor:

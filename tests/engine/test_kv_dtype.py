@@ -11,11 +11,12 @@ import sys
 
 import pytest
 import torch
+from teacher_forcing import agreement, teacher_forced_logits
 
 from inferd.cli import add_engine_args, engine_config, worker_args
 from inferd.config import KV_DTYPES, EngineConfig, resolve_kv_dtype
 from inferd.engine import Engine, SamplingParams
-from inferd.engine.runner import StepRow, kv_bytes_per_block
+from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.attention import (DecodeGroup, PrefillSeq, build_decode_mask, decode_attention, dequantize,
                                      prefill_attention, write_kv)
 
@@ -230,23 +231,6 @@ def test_auto_and_the_activation_dtype_named_explicitly_change_nothing(micro):
     assert all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
 
 
-def chunked_teacher_forced_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
-    """Float32 logits at every position of ids, fed chunk tokens at a time through an idle engine's runner: every
-    chunk after the first attends to its context as read back from the KV cache."""
-    blocks = list(range(-(-len(ids) // engine.config.block_size)))
-    out = []
-    with torch.inference_mode():
-        for s in range(0, len(ids), chunk):
-            hidden, _ = engine.runner.forward([StepRow(ids[s:s + chunk], s, blocks, 1)])
-            out.append(engine.runner.model.compute_logits(hidden))
-    return torch.cat(out)
-
-
-def kl_and_top1(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
-    r, o = ref.log_softmax(-1), other.log_softmax(-1)
-    return float((r.exp() * (r - o)).sum(-1).mean()), float((r.argmax(-1) == o.argmax(-1)).float().mean())
-
-
 QUALITY_TEXT = ("The history of the printing press begins in the middle of the fifteenth century, when Johannes "
                 "Gutenberg combined a screw press, oil-based ink and movable metal type into a system that could "
                 "produce books far faster than any scribe. Within fifty years, presses were running in more than "
@@ -273,11 +257,11 @@ def test_smollm2_with_low_precision_kv_stays_close_to_full_precision(smollm2_fp3
     for kv_dtype in ("auto", "bfloat16", "float8_e4m3fn"):
         engine = Engine(model, cfg, EngineConfig(kv_dtype=kv_dtype, kv_cache_bytes=8 << 20, max_model_len=1024),
                         torch.float32, tok)
-        logits[kv_dtype] = chunked_teacher_forced_logits(engine, ids, CHUNK)
+        logits[kv_dtype] = teacher_forced_logits(engine, ids, CHUNK)
     # the first chunk attends to its own fresh k/v: identical whatever the KV dtype
     assert torch.equal(logits["auto"][:CHUNK], logits["float8_e4m3fn"][:CHUNK])
-    kl_bf16, top1_bf16 = kl_and_top1(logits["auto"], logits["bfloat16"])
-    kl_fp8, top1_fp8 = kl_and_top1(logits["auto"], logits["float8_e4m3fn"])
+    bf16, fp8 = agreement(logits["auto"], logits["bfloat16"]), agreement(logits["auto"], logits["float8_e4m3fn"])
+    (kl_bf16, top1_bf16), (kl_fp8, top1_fp8) = (bf16.mean_kl, bf16.top1), (fp8.mean_kl, fp8.top1)
     assert 0 < kl_bf16 < 1e-3 and top1_bf16 >= 0.98, (kl_bf16, top1_bf16)
     assert kl_bf16 < kl_fp8 < 0.03 and top1_fp8 >= 0.95, (kl_fp8, top1_fp8)
 
