@@ -327,7 +327,7 @@ def embedding_models(args: argparse.Namespace, model_path: str, local_args: list
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from .cluster.remote import parse_address
+    from .worker.address import parse_address
     from .models.loader import default_model_path
 
     if not args.worker and args.redis is None:
@@ -850,7 +850,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     host, port = args.host, args.port
     if args.listen is not None:
-        from .cluster.remote import parse_address
+        from .worker.address import parse_address
 
         try:
             host, port = parse_address(args.listen, allow_any_port=True)
