@@ -9,7 +9,7 @@ path, described below, is what runs elsewhere and what tests compare against.
 The cache of one layer is a pair of tensors shaped [num_kv_heads, num_blocks, block_size, head_dim]. A token's KV
 lives at slot = block_id * block_size + offset. Decode queries (one token per sequence) are batched: their blocks are
 gathered in one index_select and attention runs as grouped batched matmuls, the query heads grouped per KV head,
-which on CPU is several times faster than torch's SDPA kernel for one-token queries (PERF-NOTES.md). Prefill chunks
+which on CPU is several times faster than torch's SDPA kernel for one-token queries (docs/machines.md). Prefill chunks
 run one sequence at a time through SDPA, which is compute-bound anyway.
 
 The cache may be stored in a lower precision than the activations (`--kv-dtype`: bf16, fp16 or float8_e4m3fn):
