@@ -28,7 +28,7 @@ from inferd.engine import Engine, SamplingParams  # noqa: E402
 from inferd import kernels  # noqa: E402
 from inferd.kernels import fake  # noqa: E402
 from inferd.models.build import load_model  # noqa: E402
-from inferd.models.llama import Linear  # noqa: E402
+from inferd.models.layers import Linear  # noqa: E402
 from inferd.models.loader import default_model_path  # noqa: E402
 from inferd.models.quantize import quantize_model  # noqa: E402
 

@@ -120,7 +120,7 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
     import torch
 
-    from inferd.engine.embedding import default_embedding_model_path
+    from inferd.models.embedding_models import default_embedding_model_path
 
     from inferd.config import resolve_dtype
 

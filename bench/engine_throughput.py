@@ -37,7 +37,7 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s of a large tensor copy, read + write counted (as in PERF-NOTES.md)."""
+    """Bytes/s of a large tensor copy, read + write counted (as in docs/machines.md)."""
     src = torch.ones(64 * 1024 * 1024)  # 256 MB
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -2,7 +2,7 @@
 # inferd beside its peers, vLLM (CPU build) and llama.cpp's llama-server, on the default model (SmolLM2-135M-Instruct):
 # the same streaming load against each server, one server at a time, and a table of tok/s, TTFT p50 and TPOT p50
 # per server and concurrency level with the ratios inferd/vLLM and inferd/llama-server. The facts behind each step
-# are in PERF-NOTES.md, "Setting up the peers".
+# are in docs/machines.md, "Setting up the peers".
 #
 #   bash bench/peers.sh setup [--cache DIR] [--jobs N]
 #       sets the peers up in DIR (default $INFERD_PEERS_DIR, else ~/.cache/inferd/peers); a step already done is

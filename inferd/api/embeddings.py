@@ -38,7 +38,7 @@ class EmbeddingService:
     def __init__(self, router, gateway, encode, model_name: str, metrics=None):
         self.router = router
         self.gateway = gateway
-        self.encode = encode  # text -> token ids: the embedding model's own tokenizer (engine/embedding.py)
+        self.encode = encode  # text -> token ids: the embedding model's own tokenizer (models/embedding_models.py)
         self.model_name = model_name
         self.num_requests = 0
         self.metrics = metrics

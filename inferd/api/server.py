@@ -266,7 +266,7 @@ class _EmbeddingBackend:
                                         model=spec.name, task="embed", **_allow(opts))
 
     async def start(self, state) -> None:
-        from ..engine.embedding import embedding_tokenizer
+        from ..models.embedding_models import embedding_tokenizer
         from .embeddings import EmbeddingService
 
         encode = await asyncio.to_thread(embedding_tokenizer, self.spec.path)

@@ -1,4 +1,4 @@
-"""The autoscaler's decision: how many workers the demand needs (DESIGN.md, "The cluster", Autoscaling).
+"""The autoscaler's decision: how many workers the demand needs (docs/architecture.md, "The cluster").
 
 Pure logic: no processes, no asyncio, no clock of its own. The caller passes the monotonic time and the wall time
 with every observation and acts on `Autoscaler.desired` (starts or stops local workers, exports

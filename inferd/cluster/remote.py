@@ -22,17 +22,11 @@ import socket
 from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_WORKER_ALLOW, WORKER_DISCOVERY_POLL_S,
                       WORKER_RECONNECT_BACKOFF_S, WORKER_STABLE_CONNECTION_S)
 from ..gateway.router import Router
+from ..worker.address import parse_address
 from ..worker.client import WorkerClient, WorkerDead
+from ..worker.registry import discover
 
 log = logging.getLogger("inferd.cluster")
-
-
-def parse_address(text: str, allow_any_port: bool = False) -> tuple[str, int]:
-    """HOST:PORT (IPv6 hosts in brackets). allow_any_port: port 0 (pick a free one) is allowed (to listen)."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if allow_any_port else 1) <= int(port) < 65536:
-        raise ValueError(f"a worker address must be HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -226,8 +220,6 @@ class RemoteWorkers:
         worker.start()
 
     async def _discover(self) -> None:
-        from ..worker.registry import discover
-
         while True:
             try:
                 found = await discover(self._redis)

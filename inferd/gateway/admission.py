@@ -1,4 +1,4 @@
-"""The gateway: a request's way from "valid" to "bound to a worker" (DESIGN.md steps 2-4).
+"""The gateway: a request's way from "valid" to "bound to a worker" (docs/architecture.md, "The request path").
 
 `Gateway.admit` reserves the tenant's quota (429 when the tenant is over its own limits), then either binds the
 request to a worker that has room now, or puts it in the waiting line, or refuses it at once with 503 `overloaded`

@@ -1,4 +1,4 @@
-"""Fused operators of the model step, each beside its plain torch reference (../shared/DESIGN.md, "kernels").
+"""Fused operators of the model step, each beside its plain torch reference (docs/architecture.md, "Kernels").
 
 - add_rms_norm: the residual add fused with the next RMSNorm;
 - rope_kv_write: RoPE on q and k, in place in the fused qkv rows, with the KV cache write;

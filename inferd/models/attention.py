@@ -1,4 +1,6 @@
-"""Attention over the paged KV cache: the metadata a step carries, and the model's calls into the kernels.
+"""Attention over the paged KV cache: the metadata a step carries, the model's calls into the kernels, and the
+attention block (Attention: q/k/v fused into one projection, RoPE and the cache write in one op, then attention
+over the cache) that a decoder layer runs.
 
 With the fused CPU kernels (inferd/kernels, the default where they build) decode rows attend through
 paged_decode_attention, which reads each sequence's blocks where they lie (block tables + lengths). The reference
@@ -7,7 +9,7 @@ path, described below, is what runs elsewhere and what tests compare against.
 The cache of one layer is a pair of tensors shaped [num_kv_heads, num_blocks, block_size, head_dim]. A token's KV
 lives at slot = block_id * block_size + offset. Decode queries (one token per sequence) are batched: their blocks are
 gathered in one index_select and attention runs as grouped batched matmuls, the query heads grouped per KV head,
-which on CPU is several times faster than torch's SDPA kernel for one-token queries (PERF-NOTES.md). Prefill chunks
+which on CPU is several times faster than torch's SDPA kernel for one-token queries (docs/machines.md). Prefill chunks
 run one sequence at a time through SDPA, which is compute-bound anyway.
 
 The cache may be stored in a lower precision than the activations (`--kv-dtype`: bf16, fp16 or float8_e4m3fn):
@@ -21,9 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ..kernels import paged
 from ..kernels.paged import build_decode_mask, dequantize, gather_blocks, write_kv  # noqa: F401 - the model's API
+from .batch_invariant import invariant_attention
+from .config import ModelConfig
+from .layers import Linear
 
 
 @dataclass
@@ -74,3 +80,50 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_cache: torch.Tensor, seq: PrefillSeq, scale: float) -> torch.Tensor:
     """One sequence's chunk (kernels/paged.py's prefill_attention)."""
     return paged.prefill_attention(q, k, v, k_cache, v_cache, seq.num_cached, seq.block_ids, scale)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention of one layer (num_key_value_heads KV heads shared by the query heads)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        h, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(h, qkv, config.attention_bias)
+        self.o_proj = Linear(self.q_size, h, False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache, ops, rotary):
+        T = x.shape[0]
+        qkv = self.qkv_proj.forward(x)  # [T, q + k + v], rows contiguous
+        # RoPE on q and k in place, and k, v written to their cache slots: one op (kernels/)
+        ops.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping, self.n_heads,
+                          self.n_kv)
+        q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
+        if meta.invariant is not None:  # batch-invariant mode: every row the same way (batch_invariant.py)
+            out = invariant_attention(q, k_cache, v_cache, meta.invariant, self.scale)
+            return self.o_proj.forward(out.reshape(T, self.q_size))
+        parts = []
+        if meta.decode_tables is not None:  # the fused kernel reads the paged cache in place
+            nd = meta.num_decode_tokens
+            parts.append(ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+                                                    self.scale))
+        else:
+            parts.extend(decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
+                         for g in meta.decode_groups)
+        if meta.prefill_tables is not None:  # every chunk in one call, read from the cache in place
+            nd = meta.num_decode_tokens
+            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
+                                                     meta.prefill_context_lens, meta.prefill_tables, self.scale))
+        elif meta.prefills:
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
+            for seq in meta.prefills:
+                s, e = seq.start, seq.end
+                parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return self.o_proj.forward(out.reshape(T, self.q_size))

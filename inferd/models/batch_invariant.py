@@ -25,22 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .attention import gather_blocks
+from ..kernels.paged import gather_blocks
+from .layers import Linear
 
 TILE_ROWS = 16  # rows per Linear call in batch-invariant mode
-
-
-def tiled_rows(fn, x: torch.Tensor, tile: int = TILE_ROWS) -> torch.Tensor:
-    """fn over x [T, ...] in calls of exactly `tile` rows (the last one zero-padded); the T result rows."""
-    T = x.shape[0]
-    pad = (-T) % tile
-    if pad:
-        x = F.pad(x, (0, 0, 0, pad))
-    if x.shape[0] == tile:
-        return fn(x)[:T]
-    return torch.cat([fn(x[i:i + tile]) for i in range(0, x.shape[0], tile)], dim=0)[:T]
 
 
 @dataclass
@@ -134,8 +123,6 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def enable(model: torch.nn.Module, on: bool = True) -> None:
     """Switches a model's Linear layers to fixed row tiles (on) or back to one call per step (off)."""
-    from .llama import Linear
-
     for module in model.modules():
         if isinstance(module, Linear):
             module.tile_rows = TILE_ROWS if on else None

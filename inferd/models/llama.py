@@ -2,145 +2,21 @@
 
 Rows of a step are flattened: [T, hidden], decodes first, then prefill chunks. Projections that read the same input
 are fused (q/k/v into one matmul, gate/up into one): fewer, larger matmuls are what a CPU (and a GPU) does best.
-Logits are computed only for the rows that are sampled (compute_logits).
+Logits are computed only for the rows that are sampled (compute_logits). The layers are the shared ones (layers.py,
+attention.py); this module stacks them the Llama way and loads weights as transformers names them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import REFERENCE as reference_ops
-from .attention import AttentionMetadata, decode_attention, prefill_attention
-from .batch_invariant import invariant_attention, tiled_rows
+from .attention import Attention, AttentionMetadata
 from .config import ModelConfig
+from .layers import MLP, Linear, RMSNorm
+from .quantize import INT4_MAX_ROWS
 from .rope import RotaryEmbedding
-
-
-class Linear(nn.Module):
-    """y = x W^T + b. On CPU the weight is repacked once, after loading, into oneDNN's blocked layout and
-    multiplied by oneDNN: on this class of CPU (MKL sgemm on AMD Zen, docs/benchmarks.md) that is 1.1-1.5x faster
-    than F.linear from batch 1 (a GEMV) to batch 64. Elsewhere (CUDA, or where oneDNN refuses the dtype) the plain
-    F.linear runs."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN layout; not a parameter (state_dict can't hold it)
-        self.tile_rows: int | None = None  # batch-invariant mode: calls of exactly this many rows (batch_invariant.py)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_rows is not None and x.dim() == 2:
-            return tiled_rows(self._forward, x, self.tile_rows)
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def stack_entry(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """This matmul for kernels' decode_layers at `rows` rows, as _forward would run it: (kind, weight, aux,
-        bias), kind 0 the oneDNN packed weight, 2 a plain weight; None where decode_layers cannot run it."""
-        if self.tile_rows is not None:
-            return None
-        if self.packed is not None:
-            return 0, self.packed, self.packed.new_empty(0), self.bias
-        return 2, self.weight, self.weight.new_empty(0), self.bias
-
-    @torch.no_grad()
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {tuple(self.weight.shape)}")
-        self.weight.copy_(weight)
-        if self.bias is not None:
-            self.bias.copy_(bias)
-
-    @torch.no_grad()
-    def pack(self) -> bool:
-        """Repack for oneDNN on CPU; frees the plain weight. False (and no change) where not possible."""
-        if self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            probe = torch.ones(1, self.weight.shape[1], dtype=self.weight.dtype)
-            torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
-        except RuntimeError:  # e.g. bf16 on a CPU without AVX-512: oneDNN refuses
-            return False
-        self.packed = packed
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-        return True
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv * self.head_dim
-        h, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
-        self.qkv_proj = Linear(h, qkv, config.attention_bias)
-        self.o_proj = Linear(self.q_size, h, False)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache, ops, rotary):
-        T = x.shape[0]
-        qkv = self.qkv_proj.forward(x)  # [T, q + k + v], rows contiguous
-        # RoPE on q and k in place, and k, v written to their cache slots: one op (kernels/)
-        ops.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping, self.n_heads,
-                          self.n_kv)
-        q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
-        if meta.invariant is not None:  # batch-invariant mode: every row the same way (batch_invariant.py)
-            out = invariant_attention(q, k_cache, v_cache, meta.invariant, self.scale)
-            return self.o_proj.forward(out.reshape(T, self.q_size))
-        parts = []
-        if meta.decode_tables is not None:  # the fused kernel reads the paged cache in place
-            nd = meta.num_decode_tokens
-            parts.append(ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                                    self.scale))
-        else:
-            parts.extend(decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
-                         for g in meta.decode_groups)
-        if meta.prefill_tables is not None:  # every chunk in one call, read from the cache in place
-            nd = meta.num_decode_tokens
-            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
-                                                     meta.prefill_context_lens, meta.prefill_tables, self.scale))
-        elif meta.prefills:
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
-            for seq in meta.prefills:
-                s, e = seq.start, seq.end
-                parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.o_proj.forward(out.reshape(T, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        h, self.inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * self.inter, False)
-        self.down_proj = Linear(self.inter, h, False)
-
-    def forward(self, x, ops=reference_ops):
-        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -203,8 +79,6 @@ class LlamaForCausalLM(nn.Module):
         bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
         has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
         different norm epsilons)."""
-        from .quantize import INT4_MAX_ROWS  # (quantize imports this module: imported here, when first needed)
-
         key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
         cache = self.__dict__.setdefault("_decode_stacks", {})
         if key in cache:

@@ -14,11 +14,14 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where weights are loaded, not by reading a config
+    import torch
 
 __all__ = [
     "GGUFMetadata",

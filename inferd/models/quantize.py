@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import Linear
+from .layers import Linear
 
 QUANTIZE_MODES = ("int8", "int4")
 INT8_MAX = 127  # symmetric: -127..127 (-128 unused, so that w and -w quantize alike)

@@ -1,5 +1,5 @@
-"""What an engine step costs in bytes and FLOPs, the device's peaks, and so what bounds the step (DESIGN.md, "The
-GPU side").
+"""What an engine step costs in bytes and FLOPs, the device's peaks, and so what bounds the step (docs/machines.md,
+"What bounds a step").
 
 Per step:
 - bytes read = every weight once, as stored (the matmul weights and the lm_head; an int8 weight counts 1 byte, its

@@ -14,6 +14,7 @@ import logging
 import threading
 
 from ..config import MAX_HELLO_STRING, WORKER_REGISTRATION_TTL_S
+from .address import parse_address
 from .protocol import WorkerHello
 
 log = logging.getLogger("inferd.worker")
@@ -77,8 +78,6 @@ async def discover(client) -> dict[str, dict]:
 
 
 def _validate_entry(raw) -> tuple[str | None, dict]:
-    from ..cluster.remote import parse_address
-
     try:
         entry = json.loads(raw)
     except (ValueError, TypeError, UnicodeDecodeError):

@@ -42,7 +42,7 @@ def server(tiny_llama_dir, tmp_path_factory):
 def reference():
     from sentence_transformers import SentenceTransformer
 
-    from inferd.engine.embedding import default_embedding_model_path
+    from inferd.models.embedding_models import default_embedding_model_path
 
     return SentenceTransformer(default_embedding_model_path(), device="cpu")
 

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from inferd.cluster.pool import spread_devices
-from inferd.cluster.remote import Backoff, parse_address
+from inferd.cluster.remote import Backoff
 from inferd.config import WORKER_RECONNECT_BACKOFF_S
 from inferd.engine.kv_cache import hash_prompt_blocks
 from inferd.gateway.router import PrefixIndex, Router
+from inferd.worker.address import parse_address
 from inferd.worker.faults import FaultInjector, FaultSpec, InjectedFault, step_phase
 
 

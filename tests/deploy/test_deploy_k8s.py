@@ -158,7 +158,7 @@ def test_gateway_requires_keys_from_a_mounted_secret(parsed):
 
 
 def test_workers_listen_and_advertise_the_pod_address_on_one_gpu(parsed):
-    from inferd.cluster.remote import parse_address
+    from inferd.worker.address import parse_address
 
     pod, c, worker = parsed["inferd-worker"]
     host, port = parse_address(worker.listen, allow_any_port=True)
@@ -178,7 +178,7 @@ def probe_port(container: dict, probe: dict) -> int:
 
 
 def test_probes_and_the_service_reach_the_served_port(parsed, objects):
-    from inferd.cluster.remote import parse_address
+    from inferd.worker.address import parse_address
 
     _, c, gateway = parsed["inferd-gateway"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -335,7 +335,7 @@ def policies_of(objects, deployment: str) -> list[dict]:
 
 
 def test_only_the_gateways_reach_the_workers_and_only_inferd_reaches_redis(parsed, objects):
-    from inferd.cluster.remote import parse_address
+    from inferd.worker.address import parse_address
 
     _, _, worker = parsed["inferd-worker"]
     listen_port = parse_address(worker.listen, allow_any_port=True)[1]

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from inferd.config import EngineConfig
-from inferd.engine.embedding import EmbedEngine, is_decoder_model, pool, resolve_pooling
+from inferd.engine.embedding import EmbedEngine
+from inferd.models.embedding_models import is_decoder_model
+from inferd.models.pooling import pool, resolve_pooling
 
 INPUTS = [[1, 2, 3, 4, 5, 6, 7], [42], list(range(100, 160)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3, [500, 501]]
 

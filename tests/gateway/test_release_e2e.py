@@ -1,9 +1,9 @@
-"""No path leaks what an admitted request holds (DESIGN.md, "Who releases what"): a client that disconnects mid-stream
-(n=2, a list of prompts), one that disconnects while its stream still waits in the line (the keep-alive phase), and
-one that never reads. Afterwards the gateway's open requests, the workers' room, the tenant's reserved tokens and
-concurrency leases (in-process, or in Redis) are back where they started, so are the worker's running and waiting
-requests and KV blocks in use (its heartbeats), the worker stopped stepping for a dropped request long before its
-max_tokens (it aborted it, it did not run it out), and a request is served at once.
+"""No path leaks what an admitted request holds (docs/architecture.md, "Who releases what"): a client that
+disconnects mid-stream (n=2, a list of prompts), one that disconnects while its stream still waits in the line (the
+keep-alive phase), and one that never reads. Afterwards the gateway's open requests, the workers' room, the tenant's
+reserved tokens and concurrency leases (in-process, or in Redis) are back where they started, so are the worker's
+running and waiting requests and KV blocks in use (its heartbeats), the worker stopped stepping for a dropped request
+long before its max_tokens (it aborted it, it did not run it out), and a request is served at once.
 
 The server: echo workers slowed to 20 ms a step (INFERD_FAULT slow), 2 batch slots + 1 queued request per worker
 (the issue's reproduction: three dropped streams used to wedge it for good). The n=2 drop runs once more on the tiny

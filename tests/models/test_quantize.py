@@ -19,7 +19,7 @@ from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.build import load_model
-from inferd.models.llama import Linear
+from inferd.models.layers import Linear
 from inferd.models.quantize import (INT4_GROUP, INT4_MAX_ROWS, Int4Linear, Int8Linear, check_quantization,
                                     quantize_int4, quantize_int8, quantize_model, weight_bytes)
 
