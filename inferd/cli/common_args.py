@@ -228,7 +228,7 @@ def add_embedding_model_arg(p: argparse.ArgumentParser, remote: bool) -> None:
 
 
 def worker_allow(text: str):
-    from .cluster.remote import parse_allow
+    from ..cluster.remote import parse_allow
 
     try:
         return parse_allow(text)
