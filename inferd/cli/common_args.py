@@ -87,7 +87,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_autoscaler_arguments(a, "tokens/s one worker sustains at the latency target: turns the autoscaler on "
                              "(exports inferd_desired_workers)")
     a.add_argument("--autoscale-window", type=positive_float, default=DEFAULT_AUTOSCALE_WINDOW_S,
-                   help=f"seconds over which the token arrival rate is measured (default {DEFAULT_AUTOSCALE_WINDOW_S:g})")
+                   help="seconds over which the token arrival rate is measured (default "
+                   f"{DEFAULT_AUTOSCALE_WINDOW_S:g})")
     r = p.add_argument_group("rollouts (inferd rollout)")
     r.add_argument("--rollout-min-requests", type=int, default=DEFAULT_ROLLOUT_MIN_REQUESTS,
                    help="canary requests finished before a rollout is promoted or rolled back automatically "

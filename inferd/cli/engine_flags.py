@@ -74,7 +74,8 @@ ENGINE_FLAGS = (
     Flag("kernels", "--kernels", "the step's operators: auto = the fused CPU kernels (inferd/kernels, built for this "
          "CPU) where they apply, the Triton attention kernels on CUDA, else the plain torch references; fused = "
          "refuse to start without them; reference = the torch references only; triton = the Triton attention "
-         "kernels (on a CPU only under TRITON_INTERPRET=1: for tests)", choices=["auto", "fused", "reference", "triton"]),
+         "kernels (on a CPU only under TRITON_INTERPRET=1: for tests)",
+         choices=["auto", "fused", "reference", "triton"]),
     Flag("cuda_graphs", "--no-cuda-graphs", "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
          "captured at start", switch=True),
     Flag("batch_invariant", "--batch-invariant", "a sequence's logits independent of its batch and of prefill vs "
@@ -84,7 +85,8 @@ ENGINE_FLAGS = (
          "unchanged (default: off)", choices=list(SPECULATIVE_METHODS), group=SPECULATIVE),
     Flag("num_draft", "--num-draft", f"draft tokens per sequence and step (1..{MAX_NUM_DRAFT}, default "
          f"{DEFAULT_NUM_DRAFT})", int, group=SPECULATIVE),
-    Flag("ngram_min", "--ngram-min", f"shortest suffix looked up (default {DEFAULT_NGRAM_MIN})", int, group=SPECULATIVE),
+    Flag("ngram_min", "--ngram-min", f"shortest suffix looked up (default {DEFAULT_NGRAM_MIN})", int,
+         group=SPECULATIVE),
     Flag("ngram_max", "--ngram-max", f"longest suffix looked up (default {DEFAULT_NGRAM_MAX})", int, group=SPECULATIVE),
     Flag("speculative_max_batch", "--speculative-max-batch", "no drafts in a step with more decoding sequences than "
          f"this (default {DEFAULT_SPECULATIVE_MAX_BATCH})", int, group=SPECULATIVE),
