@@ -290,7 +290,8 @@ def check_model(args, name: str, shape: dict, workdir: str, result: dict, save, 
 
 def check_profile(args, workdir: str) -> dict:
     """`inferd profile` (run_profile, the engine side of it) on --profile-model (kept on disk for it)."""
-    from inferd.bench.profile import add_profile_arguments, answer, plot_roofline, run_profile
+    from inferd.bench.profile import answer, plot_roofline, run_profile
+    from inferd.cli.profile import add_profile_arguments
 
     name = args.profile_model
     parser = argparse.ArgumentParser()

@@ -8,11 +8,12 @@ plot (PNG): the attainable FLOP/s line min(peak FLOP/s, intensity x peak bandwid
 
     inferd profile [--model M] [--dtype D] [--kv-dtype K] [--contexts 128,1024] [--max-batch 64]
                    [--prefill 64,256,1024] [--steps 8] [--out DIR]
+
+(its flags: inferd/cli/profile.py)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -262,30 +263,6 @@ def plot_roofline(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import parse_bytes
-    from ..config import KV_DTYPES
-
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the KV cache's storage dtype")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
-    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="decode context lengths")
-    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (powers of 2 up to it)")
-    p.add_argument("--prefill", default=",".join(map(str, DEFAULT_PREFILL)), help="prefill lengths")
-    p.add_argument("--mixed-batches", default=",".join(map(str, DEFAULT_MIXED_BATCHES)),
-                   help="decode batches of the mixed steps (a batch decoding beside one prompt chunk); '' for none")
-    p.add_argument("--mixed-prefill", default=",".join(map(str, DEFAULT_MIXED_PREFILL)),
-                   help="prompt chunk lengths of the mixed steps")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per point (the median is reported)")
-    p.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s (default: calibrated, cached)")
-    p.add_argument("--peak-flops", type=float, default=None, help="FLOP/s (default: calibrated, cached)")
-    p.add_argument("--out", default="profile", help="folder for profile.json and roofline.png")
-    p.add_argument("--recalibrate", action="store_true", help="measure the device's peaks again (and cache them, "
-                   "unless other processes took over a quarter of the CPU meanwhile)")
 
 
 def cmd_profile(args) -> int:

@@ -380,7 +380,7 @@ def write_report(results: dict, out_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Command line (flags in loadgen.add_bench_arguments)
+# From the command line (its flags: inferd/cli/bench.py)
 
 
 def sweep_config(args: argparse.Namespace, base: BenchConfig) -> SweepConfig:

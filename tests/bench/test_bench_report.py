@@ -14,8 +14,8 @@ import socket
 import numpy as np
 import pytest
 
-from inferd.bench.loadgen import add_bench_arguments, cmd_bench
 from inferd.bench.report import DEFAULT_REPORT_CONCURRENCIES, DEFAULT_REPORT_RATES, write_report
+from inferd.cli.bench import add_bench_arguments, cmd_bench
 
 pytestmark = pytest.mark.timeout(300)
 

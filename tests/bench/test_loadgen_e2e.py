@@ -7,7 +7,8 @@ import argparse
 import asyncio
 import json
 
-from inferd.bench.loadgen import BenchConfig, add_bench_arguments, cmd_bench, run_benchmark
+from inferd.bench.loadgen import BenchConfig, run_benchmark
+from inferd.cli.bench import add_bench_arguments, cmd_bench
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 6, 16, 8
 VOCAB_SIZE = 32000  # prompt ids in [1000, 32000): valid for any tokenizer-backed test model

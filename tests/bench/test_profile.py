@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from inferd.bench.profile import add_profile_arguments, answer, cmd_profile, run_profile
+from inferd.bench.profile import answer, cmd_profile, run_profile
+from inferd.cli.profile import add_profile_arguments
 from inferd.models.config import ModelConfig
 from inferd.telemetry.roofline import Peaks, model_cost
 

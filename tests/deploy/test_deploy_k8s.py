@@ -150,7 +150,7 @@ def test_gateway_and_workers_share_one_redis_and_one_worker_secret(parsed, objec
 
 
 def test_gateway_requires_keys_from_a_mounted_secret(parsed):
-    """Bound to 0.0.0.0, the gateway refuses to start without keys (inferd/cli.py _run_server)."""
+    """Bound to 0.0.0.0, the gateway refuses to start without keys (inferd/cli/server.py run_http_server)."""
     pod, c, gateway = parsed["inferd-gateway"]
     assert gateway.host == "0.0.0.0" and gateway.api_key is None
     assert gateway.keys is not None

@@ -177,7 +177,8 @@ def test_batch_invariant_mode_refuses_what_it_does_not_cover(tiny_llama_dir):
 
 
 def test_the_flag_reaches_the_engine_and_the_workers():
-    from inferd.cli import add_engine_args, engine_config, worker_args
+    from inferd.cli.engine_flags import add_engine_args, engine_config
+    from inferd.cli.serve import worker_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -153,7 +153,8 @@ def test_cpu_ignores_the_flag_and_never_captures(micro, monkeypatch):
 
 
 def test_no_cuda_graphs_flag():
-    from inferd.cli import add_engine_args, engine_config, worker_args
+    from inferd.cli.engine_flags import add_engine_args, engine_config
+    from inferd.cli.serve import worker_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -388,7 +388,7 @@ def test_inconsistent_engine_limits_are_refused(micro):
 def test_cli_sizes_parse():
     import argparse
 
-    from inferd.cli import parse_bytes
+    from inferd.cli.types import parse_bytes
 
     assert parse_bytes("1073741824") == 1 << 30
     assert parse_bytes("512M") == 512 << 20 and parse_bytes("2G") == 2 << 30 and parse_bytes("1.5GiB") == 3 << 29

@@ -106,7 +106,8 @@ def test_a_replay_whose_tokens_cost_more_than_the_budget_ends_with_grammar_too_s
 def test_the_budget_flags_reach_the_engine_and_the_workers():
     import argparse
 
-    from inferd.cli import add_engine_args, engine_config, worker_args
+    from inferd.cli.engine_flags import add_engine_args, engine_config
+    from inferd.cli.serve import worker_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

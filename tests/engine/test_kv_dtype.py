@@ -13,7 +13,8 @@ import pytest
 import torch
 from teacher_forcing import agreement, teacher_forced_logits
 
-from inferd.cli import add_engine_args, engine_config, worker_args
+from inferd.cli.engine_flags import add_engine_args, engine_config
+from inferd.cli.serve import worker_args
 from inferd.config import KV_DTYPES, EngineConfig, resolve_kv_dtype
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
@@ -56,7 +57,7 @@ def test_cli_takes_forwards_and_rejects_kv_dtype():
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-dtype", "fp8"])
 
-    from inferd.bench.profile import add_profile_arguments
+    from inferd.cli.profile import add_profile_arguments
 
     pp = argparse.ArgumentParser()
     add_profile_arguments(pp)

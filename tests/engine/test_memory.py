@@ -9,7 +9,8 @@ import argparse
 import pytest
 import torch
 
-from inferd.cli import add_engine_args, engine_config, worker_args
+from inferd.cli.engine_flags import add_engine_args, engine_config
+from inferd.cli.serve import worker_args
 from inferd.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_BYTES, EngineConfig
 from inferd.engine import Engine
 from inferd.engine.memory import GPU_MEMORY_HEADROOM_BYTES, kv_pool_bytes, resolve_kv_cache_bytes, run_largest_step

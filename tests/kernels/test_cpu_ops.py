@@ -258,7 +258,8 @@ def test_without_a_working_compiler_the_references_run(tmp_path, monkeypatch):
 def test_the_kernels_flag_reaches_the_engine_and_the_workers():
     import argparse
 
-    from inferd.cli import add_engine_args, engine_config, worker_args
+    from inferd.cli.engine_flags import add_engine_args, engine_config
+    from inferd.cli.serve import worker_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -14,7 +14,8 @@ from parity import top2_gap
 from teacher_forcing import Agreement, agreement, teacher_forced_logits
 from torch import nn
 
-from inferd.cli import add_engine_args, engine_config, worker_args
+from inferd.cli.engine_flags import add_engine_args, engine_config
+from inferd.cli.serve import worker_args
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
