@@ -30,7 +30,7 @@ def register(sub) -> None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from ..cluster.remote import parse_address
+    from ..worker.address import parse_address
     from ..models.loader import default_model_path
 
     if not args.worker and args.redis is None:

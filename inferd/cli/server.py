@@ -69,9 +69,9 @@ def embedding_models(args: argparse.Namespace, model_path: str, local_args: list
     """--embedding-model (repeatable) -> EmbeddingModelSpec's; local_args: the options of their local workers
     (serve), None: remote workers (gateway). ValueError: a model that is not there, or two models of one name."""
     if not args.embedding_model:
-        return []  # and torch stays out of the API process (engine.embedding imports it)
+        return []
     from ..api.server import EmbeddingModelSpec, default_served_name
-    from ..engine.embedding import embedding_model_name, resolve_embedding_model
+    from ..models.embedding_models import embedding_model_name, resolve_embedding_model
 
     specs, names = [], {args.served_model_name or default_served_name(model_path)}
     if local_args is None:  # remote workers are told apart by the name they announce: the model's file name

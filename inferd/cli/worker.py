@@ -68,7 +68,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     host, port = args.host, args.port
     if args.listen is not None:
-        from ..cluster.remote import parse_address
+        from ..worker.address import parse_address
 
         try:
             host, port = parse_address(args.listen, allow_any_port=True)
