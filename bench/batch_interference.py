@@ -17,7 +17,6 @@ import asyncio
 import io
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from inferd import kernels  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
-from inferd import kernels  # noqa: E402
 from inferd.kernels import fake  # noqa: E402
 from inferd.models.build import load_model  # noqa: E402
 from inferd.models.layers import Linear  # noqa: E402

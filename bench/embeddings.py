@@ -117,12 +117,11 @@ def main() -> int:
     items = texts(args.texts)
     cores = os.cpu_count() or 1
 
-    from sentence_transformers import SentenceTransformer
     import torch
-
-    from inferd.models.embedding_models import default_embedding_model_path
+    from sentence_transformers import SentenceTransformer
 
     from inferd.config import resolve_dtype
+    from inferd.models.embedding_models import default_embedding_model_path
 
     torch.set_num_threads(cores)
     dtype = resolve_dtype(args.dtype)

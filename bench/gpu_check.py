@@ -31,9 +31,9 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
-import shutil
 import tempfile
 import time
 
@@ -195,6 +195,7 @@ def engine_side(args, path: str, shape: dict, cuda_graphs: bool, batches: list[i
 def parity_check(ours: list, reference: list) -> dict:
     """Greedy tokens of the graphs engine against the eager one, by the exactness rule (tests/parity.py)."""
     import numpy as np
+
     from parity import Reference, assert_greedy_parity
 
     result = {"requests": len(ours), "tokens": 0, "matched": 0, "ok": True, "failures": [], "max_logit_diff": 0.0}

@@ -35,8 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from quantization import (TEXT, DecodeRun, OtherLoad, compare, cpu_busy_fraction, perplexity,  # noqa: E402
-                          teacher_forced_logits)
+from quantization import TEXT, DecodeRun, OtherLoad, compare, cpu_busy_fraction, perplexity, teacher_forced_logits  # noqa: E402
 
 from inferd.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, cpu_has_native_bf16  # noqa: E402
 from inferd.engine import Engine  # noqa: E402

@@ -148,7 +148,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"| req/s | metric | measured | predicted | predicted / measured |\n|---|---|---|---|---|")
+    print("| req/s | metric | measured | predicted | predicted / measured |\n|---|---|---|---|---|")
     for rate, measured, predicted in rows:
         for key in ("ttft_p50", "ttft_p99", "output_tok_s"):
             m, p = measured[key], predicted[key]

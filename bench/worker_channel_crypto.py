@@ -28,9 +28,18 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa
 
 from inferd.engine.outputs import RequestOutput  # noqa: E402
 from inferd.engine.request import SamplingParams  # noqa: E402
-from inferd.worker.protocol import (CLIENT_MESSAGE_TYPES, OUTPUTS, WORKER_MESSAGE_TYPES, WorkerStats,  # noqa: E402
-                                    add_message, decode_message, encode_body, heartbeat_message, new_nonce,
-                                    output_entry)
+from inferd.worker.protocol import (  # noqa: E402
+    CLIENT_MESSAGE_TYPES,
+    OUTPUTS,
+    WORKER_MESSAGE_TYPES,
+    WorkerStats,
+    add_message,
+    decode_message,
+    encode_body,
+    heartbeat_message,
+    new_nonce,
+    output_entry,
+)
 from inferd.worker.sealing import channel  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's

@@ -58,8 +58,9 @@ def hf_smollm2_fp32(smollm2_gguf_path):
 
 def _save_tiny(path: Path, arch: str, tokenizer, **overrides) -> Path:
     import torch
-    from parity import PEAKED_INIT
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from parity import PEAKED_INIT
 
     torch.manual_seed(1234)
     common = dict(vocab_size=len(tokenizer.hf), hidden_size=64, intermediate_size=160, num_hidden_layers=2,

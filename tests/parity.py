@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -106,7 +106,7 @@ class Reference:
         """The scale of position i's logits (Bound): the whole row's largest magnitude, or the K largest logits'."""
         return scale_of(self.logits[i] if self.logits is not None else self.top_values[i])
 
-    def compact(self) -> "Reference":
+    def compact(self) -> Reference:
         top = torch.topk(torch.from_numpy(self.logits), COMPACT_TOP_K, dim=-1)
         return Reference(self.tokens, None, top.indices.numpy(), top.values.numpy())
 

@@ -60,7 +60,7 @@ class Relay:
             _shut(sock)
             sock.close()
 
-    def __enter__(self) -> "Relay":
+    def __enter__(self) -> Relay:
         return self
 
     def __exit__(self, *exc) -> None:

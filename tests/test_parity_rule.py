@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import BF16, FP32, assert_sampling_match, assert_same_rows, greedy_divergence, near_cdf_boundary
 
 from inferd.engine import SamplingParams
 from inferd.engine.sampler import uniform_draw
+from parity import BF16, FP32, assert_same_rows, assert_sampling_match, greedy_divergence, near_cdf_boundary
 
 N = 16
 

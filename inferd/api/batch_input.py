@@ -7,8 +7,9 @@ body has) beside the validated lines."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from ..config import MAX_BATCH_LINES
 

@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import bisect
+import hashlib
 import math
 import re
 import time
 from collections import deque
 from importlib import resources
 
-from ..config import (DASHBOARD_RATE_S, DASHBOARD_SAMPLE_S, DASHBOARD_TREND_S, DASHBOARD_WINDOWS_S,
-                      DEFAULT_DASHBOARD_WINDOW_S, TIERS)
+from ..config import (
+    DASHBOARD_RATE_S,
+    DASHBOARD_SAMPLE_S,
+    DASHBOARD_TREND_S,
+    DASHBOARD_WINDOWS_S,
+    DEFAULT_DASHBOARD_WINDOW_S,
+    TIERS,
+)
 
 LATENCIES = {"ttft": "inferd_time_to_first_token_seconds", "tpot": "inferd_time_per_output_token_seconds",
              "e2e": "inferd_e2e_request_latency_seconds"}

@@ -5,8 +5,9 @@ most TOKENIZE_THREADS threads."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from ..config import TOKENIZE_THREADS
 

@@ -29,10 +29,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import TOOL_CALL_MAX_HEAD_CHARS
-from ..config import TOOL_CALL_PARSERS  # noqa: F401 (the names of FORMATS)
+from ..config import (
+    TOOL_CALL_MAX_HEAD_CHARS,
+    TOOL_CALL_PARSERS,  # noqa: F401 (the names of FORMATS)
+)
 from ..engine.structured import JSON_MAX_WHITESPACE
-
 
 # pieces of a call's syntax (ToolFormat.head / .end): literal text, optional whitespace, the function's name
 WS, NAME = "\0ws", "\0name"  # (no literal piece holds a NUL)

@@ -43,8 +43,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from .loadgen import (HTTP_TIMEOUT, BenchConfig, BenchError, RequestRecord, _fmt, resolve_model,
-                      run_benchmark)
+from .loadgen import HTTP_TIMEOUT, BenchConfig, BenchError, RequestRecord, _fmt, resolve_model, run_benchmark
 
 # sized for a small model on a CPU or one GPU; a big GPU server wants larger ones (--rates 4,8,16,32
 # --concurrencies 8,32,128)

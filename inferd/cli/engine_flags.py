@@ -15,9 +15,20 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_SPECULATIVE_MAX_BATCH,
-                      GRAMMAR_COMPILE_PROCESSES, GRAMMAR_COMPILE_TIMEOUT_S, GRAMMAR_MASK_BUDGET_MS_PER_STEP,
-                      GRAMMAR_MASK_BUDGET_S, KV_DTYPES, MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig)
+from ..config import (
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_NUM_DRAFT,
+    DEFAULT_SPECULATIVE_MAX_BATCH,
+    GRAMMAR_COMPILE_PROCESSES,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    GRAMMAR_MASK_BUDGET_MS_PER_STEP,
+    GRAMMAR_MASK_BUDGET_S,
+    KV_DTYPES,
+    MAX_NUM_DRAFT,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 from .types import parse_bytes, positive_float, positive_int
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

@@ -30,8 +30,8 @@ def register(sub) -> None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from ..worker.address import parse_address
     from ..models.loader import default_model_path
+    from ..worker.address import parse_address
 
     if not args.worker and args.redis is None:
         print("error: give the workers: --worker HOST:PORT (repeatable) or --redis URL (registered workers)",

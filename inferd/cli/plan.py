@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_TARGET_UTILIZATION,
-                      DEFAULT_WORKER_QUEUE_DEPTH)
+from ..config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TARGET_UTILIZATION,
+    DEFAULT_WORKER_QUEUE_DEPTH,
+)
 from .common_args import add_autoscaler_arguments
 
 DEFAULT_WORKER_START_S = 30.0  # a GPU worker loading its model; `inferd serve` on the CPU default model: ~5 s

@@ -38,8 +38,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, time, timedelta
 
-from ..config import (DEFAULT_KV_HIGH_WATER, DEFAULT_MAX_WORKERS, DEFAULT_MIN_WORKERS, DEFAULT_QUEUE_DRAIN_S,
-                      DEFAULT_SCALE_DOWN_COOLDOWN_S, DEFAULT_TARGET_UTILIZATION, DEFAULT_WARM_LEAD_S)
+from ..config import (
+    DEFAULT_KV_HIGH_WATER,
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_MIN_WORKERS,
+    DEFAULT_QUEUE_DRAIN_S,
+    DEFAULT_SCALE_DOWN_COOLDOWN_S,
+    DEFAULT_TARGET_UTILIZATION,
+    DEFAULT_WARM_LEAD_S,
+)
 
 SECONDS_PER_DAY = 86400
 _TIME_RE = re.compile(r"(\d{1,2}):(\d{2})")

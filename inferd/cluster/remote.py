@@ -19,8 +19,13 @@ import ipaddress
 import logging
 import socket
 
-from ..config import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_WORKER_ALLOW, WORKER_DISCOVERY_POLL_S,
-                      WORKER_RECONNECT_BACKOFF_S, WORKER_STABLE_CONNECTION_S)
+from ..config import (
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_WORKER_ALLOW,
+    WORKER_DISCOVERY_POLL_S,
+    WORKER_RECONNECT_BACKOFF_S,
+    WORKER_STABLE_CONNECTION_S,
+)
 from ..gateway.router import Router
 from ..worker.address import parse_address
 from ..worker.client import WorkerClient, WorkerDead

@@ -19,8 +19,14 @@ import os
 import signal
 import sys
 
-from ..config import (CLIENT_SECRET_ENVS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MODEL_VERSION, WORKER_RESTART_BACKOFF_S,
-                      WORKER_SECRET_ENV, WORKER_START_TIMEOUT_S)
+from ..config import (
+    CLIENT_SECRET_ENVS,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    DEFAULT_MODEL_VERSION,
+    WORKER_RESTART_BACKOFF_S,
+    WORKER_SECRET_ENV,
+    WORKER_START_TIMEOUT_S,
+)
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 from ..worker.faults import ENV as FAULT_ENV

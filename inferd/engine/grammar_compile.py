@@ -58,7 +58,7 @@ class GrammarCompileError(RuntimeError):
 class _Compile:
     key: tuple[str, str]
     waiters: list[Future] = field(default_factory=list)
-    slot: "_Slot | None" = None  # the process compiling it, once started
+    slot: _Slot | None = None  # the process compiling it, once started
 
 
 def _child_main(conn) -> None:
@@ -115,7 +115,7 @@ def _context():
 class _Slot:
     """One compile process and the thread that feeds it one compile at a time."""
 
-    def __init__(self, service: "GrammarCompileService", index: int):
+    def __init__(self, service: GrammarCompileService, index: int):
         self.service = service
         self.proc = None
         self.conn = None

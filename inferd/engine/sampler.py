@@ -8,8 +8,6 @@ shares, in whatever process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .outputs import TokenLogprob  # noqa: F401 (its home before outputs.py)

@@ -17,9 +17,8 @@ router gave up on are dropped.
 
 from __future__ import annotations
 
-import re
-
 import itertools
+import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 

@@ -133,7 +133,7 @@ class KeyStore:
 
     # ---- the file ----------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str, missing_ok: bool = True) -> "KeyStore":
+    def load(cls, path: str, missing_ok: bool = True) -> KeyStore:
         """Raises ValueError with the reason when the file is not a valid keys file. A missing file is an empty store
         (`keys create` starts one) unless missing_ok is False: a server's keys file that vanished (even between a
         check and this read) must never become an empty key set."""
@@ -149,7 +149,7 @@ class KeyStore:
         return cls.from_dict(data, path)
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "keys file") -> "KeyStore":
+    def from_dict(cls, data: dict, where: str = "keys file") -> KeyStore:
         try:
             tenants = {}
             for name, fields in data.get("tenants", {}).items():

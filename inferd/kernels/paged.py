@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A one-byte float tensor as uint8, bit for bit (a view, no copy): torch 2.13 has no CPU index_copy_ for
     float8 types, and integer copies and gathers exist on every device."""

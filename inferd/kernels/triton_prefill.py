@@ -42,11 +42,19 @@ from __future__ import annotations
 import torch
 
 # triton, or None where it does not import (AVAILABLE, _IMPORT_ERROR): one guard, in the decode kernel's module
-from .triton_decode import _IMPORT_ERROR, AVAILABLE, tl, triton  # noqa: F401
-
 # what both paged attention kernels take, and their argument checks (one copy, in the decode kernel's module)
-from .triton_decode import HEAD_DIMS, KV_DTYPES, LOG2E, Q_DTYPES, _pow2, check_paged_args  # noqa: E402,F401
-
+from .triton_decode import (  # noqa: F401  # noqa: E402,F401
+    _IMPORT_ERROR,
+    AVAILABLE,
+    HEAD_DIMS,
+    KV_DTYPES,
+    LOG2E,
+    Q_DTYPES,
+    _pow2,
+    check_paged_args,
+    tl,
+    triton,
+)
 
 if AVAILABLE:
 

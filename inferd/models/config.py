@@ -33,7 +33,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -72,7 +72,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_fields(cls, fields: Mapping[str, Any], tensor_names: Collection[str]) -> "ModelConfig":
+    def from_gguf_fields(cls, fields: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
         """Build a config from GGUF metadata (`fields`: key -> value, arrays as sequences) and the tensor names."""
         arch = fields.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:

@@ -85,7 +85,7 @@ def auto_tokenizer():
     return AutoTokenizer
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> "Tokenizer":
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load the tokenizer of a HF model folder or of a .gguf file (converted once, then cached)."""
     AutoTokenizer = auto_tokenizer()
 
@@ -518,7 +518,7 @@ class TextWithStops:
     """Incremental text of one request, holding back what could still become a stop string. The engine (to stop at
     once) and the API process (to emit text that never contains a stop string) run the same logic."""
 
-    def __init__(self, detokenizer: "IncrementalDetokenizer", stops: list[str]):
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: list[str]):
         self.detok = detokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1

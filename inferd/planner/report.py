@@ -9,8 +9,20 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from .plan import (HOUR, FleetRun, _fmt_s, by_hour, figures, hourly_need, parse_slo, read_traffic, run_autoscaler,
-                   run_fixed, run_hourly_minimum, worker_capacity)
+from .plan import (
+    HOUR,
+    FleetRun,
+    _fmt_s,
+    by_hour,
+    figures,
+    hourly_need,
+    parse_slo,
+    read_traffic,
+    run_autoscaler,
+    run_fixed,
+    run_hourly_minimum,
+    worker_capacity,
+)
 from .sim import Req, StepModel, WorkerConfig
 
 

@@ -67,7 +67,7 @@ class StepModel:
             self.mixed.setdefault(b, [(0, 0.0)]).append((p, t - self.decode(b, c)))
 
     @classmethod
-    def load(cls, path: str | Path) -> "StepModel":
+    def load(cls, path: str | Path) -> StepModel:
         data = json.loads(Path(path).read_text())
         decode, prefill, mixed = {}, {}, {}
         for p in data.get("points", []):

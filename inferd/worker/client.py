@@ -22,13 +22,36 @@ from typing import Any
 
 from ..config import WORKER_HANDSHAKE_TIMEOUT_S
 from ..engine.request import SamplingParams
-from .protocol import (CHALLENGE, CLIENT_ERROR_CODES, DEFAULT_HEARTBEAT_TIMEOUT, ERROR, HEARTBEAT, HELLO, OUTPUTS,
-                       PROTOCOL_VERSION, REJECTED, WORKER_MESSAGE_TYPES, FrameDecoder, ProtocolError, WorkerHello,
-                       WorkerOutput, WorkerStats, abort_message, add_message, auth_message, client_proof,
-                       decode_message, encode_body, encode_frame, frame, new_nonce, ping_message, shutdown_message,
-                       valid_nonce)
+from .protocol import (
+    CHALLENGE,
+    CLIENT_ERROR_CODES,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    ERROR,
+    HEARTBEAT,
+    HELLO,
+    OUTPUTS,
+    PROTOCOL_VERSION,
+    REJECTED,
+    WORKER_MESSAGE_TYPES,
+    FrameDecoder,
+    ProtocolError,
+    WorkerHello,
+    WorkerOutput,
+    WorkerStats,
+    abort_message,
+    add_message,
+    auth_message,
+    client_proof,
+    decode_message,
+    encode_body,
+    encode_frame,
+    frame,
+    new_nonce,
+    ping_message,
+    shutdown_message,
+    valid_nonce,
+)
 from .sealing import Opener, Sealer, channel
-
 
 UNRESPONSIVE_CLOSE_S = 60.0  # a given-up worker still silent after this long is closed for good
 
@@ -66,7 +89,7 @@ class _Stream:
 
 
 class _FrameProtocol(asyncio.Protocol):
-    def __init__(self, client: "WorkerClient"):
+    def __init__(self, client: WorkerClient):
         self.client = client
         self.decoder = FrameDecoder()
 
@@ -133,7 +156,7 @@ class WorkerClient:
     @classmethod
     async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
                       close_on_silence: bool = True, secret: bytes = b"",
-                      handshake_timeout: float = WORKER_HANDSHAKE_TIMEOUT_S) -> "WorkerClient":
+                      handshake_timeout: float = WORKER_HANDSHAKE_TIMEOUT_S) -> WorkerClient:
         """Connects, runs the handshake (secret: shared with the worker) and reads the worker's hello; raises
         WorkerDead when connecting takes over heartbeat_timeout, the worker is silent that long, the handshake is not
         done within handshake_timeout (however its bytes trickle in), or the worker breaks the handshake or fails
@@ -261,7 +284,7 @@ class WorkerClient:
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
 
-    async def __aenter__(self) -> "WorkerClient":
+    async def __aenter__(self) -> WorkerClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

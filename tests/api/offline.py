@@ -5,9 +5,9 @@ accepted only where the offline run's top-2 logit gap is below that bound."""
 from __future__ import annotations
 
 import torch
-from parity import greedy_divergence, scale_of, top2_gap
 
 from inferd.engine import SamplingParams
+from parity import greedy_divergence, scale_of, top2_gap
 
 
 def offline_greedy(engine, prompt: list[int], max_tokens: int, **params) -> tuple[list[int], list[torch.Tensor]]:

@@ -19,6 +19,7 @@ from datetime import datetime
 import httpx
 import openai
 import pytest
+
 from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,9 +34,8 @@ BATCH_CONCURRENCY = 2  # --batch-concurrency: never more batch lines in flight t
 def server(tiny_llama_dir, tmp_path_factory):
     """One request at a time on the worker and a line of 2 (a third interactive request saturates the service for
     batch work), a 3 s rate window; requests with SLOW_SEED are slow."""
-    from servers import kill_group, start_server
-
     from inferd.gateway.tenants import create_key
+    from servers import kill_group, start_server
 
     tmp = tmp_path_factory.mktemp("batch-errors")
     keys_path = tmp / "keys.json"

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,9 +24,8 @@ MAX_BODY = 1 << 20  # --max-body-bytes of the server: batch lines are bounded li
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    from servers import kill_group, start_server
-
     from inferd.gateway.tenants import create_key
+    from servers import kill_group, start_server
 
     tmp = tmp_path_factory.mktemp("batch-isolation")
     keys = {name: create_key(str(tmp / "keys.json"), name, **settings)[0]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+
 from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)

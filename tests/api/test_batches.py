@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import TINY_MAX_MODEL_LEN
 from batch_util import jsonl, wait_status
+from tests.conftest import TINY_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+
 from batch_util import jsonl, wait_status
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+
 from servers import ENV, iter_sse, kill_group, process_gone, start_server
 
 

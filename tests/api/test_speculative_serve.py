@@ -8,6 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 from offline import assert_same_greedy, offline_greedy, token_ids
+
 from servers import kill_group, start_server
 
 COPY_TEXT = ("Copy the list exactly.\nList: red apple, green pear, yellow banana, purple plum, orange mango, "

@@ -8,6 +8,7 @@ import random
 
 import httpx
 from offline import assert_same_greedy, offline_greedy, token_ids
+
 from servers import sse_data
 
 NUM_STREAMS = 32

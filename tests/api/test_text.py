@@ -4,8 +4,8 @@ stops at once (usage counts only the tokens up to the stop); special-token text 
 
 from __future__ import annotations
 
-
 import httpx
+
 from servers import sse_data
 
 PROMPT = "The capital of France is"

@@ -14,9 +14,20 @@ import httpx
 import numpy as np
 import pytest
 
-from inferd.bench.loadgen import (LOW_TOKEN_ID, BenchConfig, RequestRecord, SSEParser, arrival_offsets, bench_config,
-                                  build_report, generate_workload, parse_goodput, report_tables, run_benchmark,
-                                  summarize)
+from inferd.bench.loadgen import (
+    LOW_TOKEN_ID,
+    BenchConfig,
+    RequestRecord,
+    SSEParser,
+    arrival_offsets,
+    bench_config,
+    build_report,
+    generate_workload,
+    parse_goodput,
+    report_tables,
+    run_benchmark,
+    summarize,
+)
 from inferd.cli.bench import add_bench_arguments, cmd_bench
 
 

@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from servers import start_ready
-
 from cluster_util import CLUSTER_ARGS
+
+from servers import start_ready
 
 
 @dataclass

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import httpx
 import torch
-from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
-from servers import aiter_sse
 
 from inferd.engine.request import SamplingParams
+from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
+from servers import aiter_sse
 
 TOP = 20  # logprobs asked for: the whole filtered distribution when top_k <= 20
 

@@ -3,12 +3,11 @@ clock. Every expected count below is worked out by hand from the numbers in the 
 
 from __future__ import annotations
 
-from datetime import datetime, time, timedelta, timezone
+from datetime import UTC, datetime, time, timedelta, timezone
 
 import pytest
 
-from inferd.cluster.autoscaler import (Autoscaler, AutoscalerConfig, Demand, WarmEntry, parse_warm_schedule,
-                                       warm_floor)
+from inferd.cluster.autoscaler import Autoscaler, AutoscalerConfig, Demand, WarmEntry, parse_warm_schedule, warm_floor
 
 DAY = datetime(2025, 3, 10)  # a Monday, midnight, naive local time
 NOON = DAY + timedelta(hours=12)  # no schedule in these tests cares about the wall time
@@ -228,7 +227,7 @@ def test_warm_floor_reads_the_wall_clock_of_the_time_zone_given():
     tz = timezone(timedelta(hours=-5))
     assert warm_floor(s, datetime(2025, 3, 10, 7, 45, tzinfo=tz)).workers == 4
     assert warm_floor(s, datetime(2025, 3, 10, 6, 0, tzinfo=tz)).workers == 0
-    assert warm_floor(s, datetime(2025, 3, 10, 6, 0, tzinfo=tz).astimezone(timezone.utc)).workers == 4  # 11:00 UTC
+    assert warm_floor(s, datetime(2025, 3, 10, 6, 0, tzinfo=tz).astimezone(UTC)).workers == 4  # 11:00 UTC
 
 
 def test_midnight_wrap_through_the_autoscaler():

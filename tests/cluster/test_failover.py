@@ -11,16 +11,23 @@ import os
 import signal
 import time
 
+import httpx
 import jsonschema
 import pytest
 from cluster_util import random_prompts
-from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
-from streams import (Stream, add_choice, assert_same_stream, logprob_diff, request_body, run_all, stream_completion,
-                     top_logits)
+from streams import (
+    Stream,
+    add_choice,
+    assert_same_stream,
+    logprob_diff,
+    request_body,
+    run_all,
+    stream_completion,
+    top_logits,
+)
 
 from inferd.engine.request import SamplingParams
-
-import httpx
+from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,8 +69,9 @@ def test_hung_worker_is_given_up_and_its_late_tokens_are_dropped(cluster, refere
     """Remote workers (inferd worker --listen + inferd gateway): nobody can kill a hung remote worker, so after
     SIGCONT it speaks again on the same connection, and what it sends for the given-up dispatches (old epochs)
     must be dropped."""
-    from servers import kill_group
     from remote_workers import start_worker
+
+    from servers import kill_group
 
     workers = [start_worker(tmp_path, tiny_llama_dir, f"w{i}", "--model-version", "v1") for i in range(2)]
     try:

@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from cluster_util import versions, wait_for
 import redis
 import redis.asyncio as aioredis
+from cluster_util import versions, wait_for
 from remote_workers import start_worker
-from servers import free_port, kill_group, kill_redis, start_redis
 
 from inferd.config import MAX_HELLO_STRING
 from inferd.worker.registry import KEY_PREFIX, discover
+from servers import free_port, kill_group, kill_redis, start_redis
 
 pytestmark = pytest.mark.timeout(180)
 

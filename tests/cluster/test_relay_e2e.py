@@ -10,8 +10,9 @@ import asyncio
 import httpx
 import pytest
 from cluster_util import random_prompts, wait_for
-from relay import TO_CLIENT, TO_WORKER, Frame, Relay, flip_a_bit
 from remote_workers import start_worker
+
+from relay import TO_CLIENT, TO_WORKER, Frame, Relay, flip_a_bit
 from servers import kill_group
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,8 +13,9 @@ import time
 import httpx
 import pytest
 from cluster_util import random_prompts
-from servers import ENV
 from streams import request_body, stream_completion
+
+from servers import ENV
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,9 +14,9 @@ import pytest
 import redis
 from cluster_util import wait_for
 from remote_workers import start_worker
-from servers import kill_group, sse_data
 
 from inferd.gateway.tenants import create_key
+from servers import kill_group, sse_data
 
 pytestmark = pytest.mark.timeout(240)
 

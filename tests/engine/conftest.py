@@ -5,11 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parity import PEAKED_HEAD
-
 from inferd.config import EngineConfig
 from inferd.engine import Engine
 from inferd.engine.runner import kv_bytes_per_block
+from parity import PEAKED_HEAD
 
 
 @pytest.fixture(scope="session")

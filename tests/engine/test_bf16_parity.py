@@ -15,13 +15,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from teacher_forcing import Agreement, agreement, hf_teacher_forced_logits, teacher_forced_logits
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.build import build_model, load_model
 from inferd.models.loader import load_model_config, load_state_dict
+from teacher_forcing import Agreement, agreement, hf_teacher_forced_logits, teacher_forced_logits
 
 MAX_NEW = 32
 TINY_PROMPT_LENS = [6, 19, 41]

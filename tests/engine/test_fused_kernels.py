@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import assert_same_rows, bound_for, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.build import load_model
+from parity import assert_same_rows, bound_for, run_staggered
 
 PROMPT_LENS = [3, 17, 47, 90, 130, 9]
 MAX_NEW = 20

@@ -11,15 +11,22 @@ import sys
 
 import pytest
 import torch
-from teacher_forcing import agreement, teacher_forced_logits
 
 from inferd.cli.engine_flags import add_engine_args, engine_config
 from inferd.cli.serve import worker_args
 from inferd.config import KV_DTYPES, EngineConfig, resolve_kv_dtype
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
-from inferd.models.attention import (DecodeGroup, PrefillSeq, build_decode_mask, decode_attention, dequantize,
-                                     prefill_attention, write_kv)
+from inferd.models.attention import (
+    DecodeGroup,
+    PrefillSeq,
+    build_decode_mask,
+    decode_attention,
+    dequantize,
+    prefill_attention,
+    write_kv,
+)
+from teacher_forcing import agreement, teacher_forced_logits
 
 F8 = torch.float8_e4m3fn
 LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": F8}

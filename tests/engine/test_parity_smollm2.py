@@ -9,11 +9,11 @@ import os
 
 import pytest
 import torch
-from parity import assert_greedy_parity, hf_greedy, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
+from parity import assert_greedy_parity, hf_greedy, run_staggered
 
 PREAMBLE = ("You are a careful assistant for a small public library. Answer the patron's question in two or "
             "three sentences, in plain English, and mention one book they could borrow. Question: ")

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from parity import assert_greedy_parity, hf_greedy, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.models.build import build_model, load_model
+from parity import assert_greedy_parity, hf_greedy, run_staggered
 
 PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
 MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]

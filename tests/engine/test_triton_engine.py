@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import PEAKED_INIT, assert_same_rows, run_staggered
 
 from inferd import kernels
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
+from parity import PEAKED_INIT, assert_same_rows, run_staggered
 
 MAX_NEW = 8
 PROMPT_LENS = [3, 21, 9, 33]

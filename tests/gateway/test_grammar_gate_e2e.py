@@ -9,7 +9,6 @@ import json
 import time
 
 import pytest
-
 from gw import bearer, completion, make_keys
 
 pytestmark = pytest.mark.timeout(240)

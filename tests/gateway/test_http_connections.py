@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
 from gw import bearer, make_keys
 
 LIMIT = 6

@@ -219,6 +219,7 @@ def test_a_server_renews_the_lease_of_a_request_that_runs_past_it(redis_url, tmp
     import httpx
     import redis
     from gw import bearer, make_keys
+
     from servers import kill_group, start_server
 
     keys = make_keys(tmp_path / "keys.json", {"t": {"max_concurrency": 1}})

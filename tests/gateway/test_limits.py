@@ -18,11 +18,18 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from inferd.gateway.limits import (CONCURRENCY, REQUESTS, TOKENS, TOO_LARGE, Decision, InProcessLimiter, TenantLimits,
-                                   format_duration)
-
 from _hammer import InFlight, hammer
+
+from inferd.gateway.limits import (
+    CONCURRENCY,
+    REQUESTS,
+    TOKENS,
+    TOO_LARGE,
+    Decision,
+    InProcessLimiter,
+    TenantLimits,
+    format_duration,
+)
 
 HAMMER = Path(__file__).with_name("_hammer.py")
 EPS = 1e-6  # float slack on exact bounds

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from gw import bearer, make_keys
 
 WINDOW = 3.0

@@ -11,8 +11,8 @@ import time
 
 import httpx
 import pytest
-
 from gw import bearer, make_keys
+
 from servers import sse_data
 
 MAX_QUEUE_REQUESTS, MAX_QUEUE_TOKENS = 8, 1500

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-
 from gw import completion, make_keys
+
 from inferd.gateway.tenants import create_key, revoke_key
 
 WINDOW = 600.0

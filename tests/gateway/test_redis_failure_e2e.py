@@ -10,11 +10,11 @@ import uuid
 
 import httpx
 import pytest
-
 from gw import bearer, make_keys
-from servers import free_port
+
 from inferd.gateway.limits import LimiterUnavailable, TenantLimits
 from inferd.gateway.redis_limits import RedisLimiter
+from servers import free_port
 
 STEP_MS = 20
 

@@ -17,7 +17,6 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
 from gw import bearer, make_keys
 
 TENANT = "t"

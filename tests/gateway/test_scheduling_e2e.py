@@ -11,8 +11,8 @@ import threading
 
 import httpx
 import pytest
-
 from gw import bearer, completion, make_keys
+
 from servers import iter_sse, sse_data
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
-from parity import COMMITTED_REFS
 
 from inferd.models.config import ModelConfig
 from inferd.models.loader import load_model_config
 from inferd.models.rope import rope_inv_freq
+from parity import COMMITTED_REFS
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

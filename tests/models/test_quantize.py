@@ -10,8 +10,6 @@ import argparse
 
 import pytest
 import torch
-from parity import top2_gap
-from teacher_forcing import Agreement, agreement, teacher_forced_logits
 from torch import nn
 
 from inferd.cli.engine_flags import add_engine_args, engine_config
@@ -21,8 +19,19 @@ from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.build import load_model
 from inferd.models.layers import Linear
-from inferd.models.quantize import (INT4_GROUP, INT4_MAX_ROWS, Int4Linear, Int8Linear, check_quantization,
-                                    quantize_int4, quantize_int8, quantize_model, weight_bytes)
+from inferd.models.quantize import (
+    INT4_GROUP,
+    INT4_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    check_quantization,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    weight_bytes,
+)
+from parity import top2_gap
+from teacher_forcing import Agreement, agreement, teacher_forced_logits
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,18 @@ from datetime import datetime
 import pytest
 
 from inferd.cluster.autoscaler import Autoscaler, AutoscalerConfig
-from inferd.planner.plan import (HOUR, Traffic, figures, hourly_need, parse_slo, percentile, read_traffic,
-                                 run_autoscaler, run_fixed, worker_capacity)
+from inferd.planner.plan import (
+    HOUR,
+    Traffic,
+    figures,
+    hourly_need,
+    parse_slo,
+    percentile,
+    read_traffic,
+    run_autoscaler,
+    run_fixed,
+    worker_capacity,
+)
 from inferd.planner.sim import Req, Simulation, StepModel, WorkerConfig
 
 FLAT = StepModel({(1, 1): 0.1, (64, 1): 0.1, (1, 100000): 0.1, (64, 100000): 0.1}, {1: 0.1, 100000: 0.1})

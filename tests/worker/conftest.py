@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from servers import kill_group, process_gone, read_line, spawn
 
 READY_TIMEOUT_S = 120.0  # model load on a busy 2-core machine; normally ~5 s

@@ -12,8 +12,18 @@ import struct
 import pytest
 
 from inferd.worker.client import WorkerClient, WorkerDead
-from inferd.worker.protocol import (AUTH, PROTOCOL_VERSION, FrameDecoder, WorkerHello, WorkerStats,
-                                    challenge_message, client_proof, heartbeat_message, new_nonce, proof_matches)
+from inferd.worker.protocol import (
+    AUTH,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    WorkerHello,
+    WorkerStats,
+    challenge_message,
+    client_proof,
+    heartbeat_message,
+    new_nonce,
+    proof_matches,
+)
 from inferd.worker.sealing import channel
 
 SECRET = b"the-shared-secret"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from relay import TO_CLIENT, TO_WORKER, Frame, Relay, flip_a_bit
 
 from inferd.engine import SamplingParams
 from inferd.worker.client import WorkerClient, WorkerDead
+from relay import TO_CLIENT, TO_WORKER, Frame, Relay, flip_a_bit
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,18 +15,39 @@ import time
 
 import pytest
 import torch
-from parity import greedy_divergence, scale_of, top2_gap
 
-from inferd.config import (MAX_HANDSHAKE_FRAME_BYTES, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS,
-                           WORKER_HANDSHAKE_TIMEOUT_S, EngineConfig)
+from inferd.config import (
+    MAX_HANDSHAKE_FRAME_BYTES,
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_HANDSHAKES_PER_ADDRESS,
+    WORKER_HANDSHAKE_TIMEOUT_S,
+    EngineConfig,
+)
 from inferd.engine import Engine, InvalidRequestError, SamplingParams
 from inferd.models.build import load_model
 from inferd.worker.client import RequestRejected, WorkerClient, WorkerDead, WorkerUnavailable
-from inferd.worker.protocol import (ADD, CHALLENGE, ERROR, HEARTBEAT, HELLO, MAX_FRAME_BYTES, OUTPUTS, REJECTED,
-                                    FrameDecoder, ProtocolError, auth_message, client_proof, decode_message,
-                                    encode_frame, new_nonce, read_frame, sampling_params_from_dict,
-                                    sampling_params_to_dict)
+from inferd.worker.protocol import (
+    ADD,
+    CHALLENGE,
+    ERROR,
+    HEARTBEAT,
+    HELLO,
+    MAX_FRAME_BYTES,
+    OUTPUTS,
+    REJECTED,
+    FrameDecoder,
+    ProtocolError,
+    auth_message,
+    client_proof,
+    decode_message,
+    encode_frame,
+    new_nonce,
+    read_frame,
+    sampling_params_from_dict,
+    sampling_params_to_dict,
+)
 from inferd.worker.sealing import channel
+from parity import greedy_divergence, scale_of, top2_gap
 
 PROMPT_LENS = [3, 9, 17, 31, 47, 64, 90, 130]
 MAX_NEW = [24, 30, 18, 28, 22, 32, 20, 26]
