@@ -26,10 +26,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
+                      DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
                       SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
 from ..telemetry.metrics import Metrics
-from ..worker.client import WorkerClient, WorkerDead
+from ..worker.client import WorkerClient
+from .failover import Failover
 from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
 from .line import WaitingLine, Waiter
@@ -174,8 +175,7 @@ class Ticket:
         self._drained_prompt = False
         self.prompt_hashes: list[bytes] = []  # the first prompt's block hashes (prefix affinity)
         self.version: str | None = None  # the model version it runs on: fixed at its first dispatch
-        self.num_replays = 0
-        self._rebinding: asyncio.Future | None = None
+        self.num_replays = 0  # times it moved to another worker (gateway/failover.py)
 
     @property
     def waiting(self) -> bool:
@@ -196,21 +196,6 @@ class Ticket:
         if not self._future.done():
             self._future.set_exception(error)
             self._future.exception()  # retrieved here: the request may already be gone
-
-    async def rebind(self, lost: WorkerClient, error: Exception, started: bool = True) -> WorkerClient:
-        """The worker this request was bound to can no longer run it (died, hung, drained): a worker of the same
-        version with room, ahead of the waiting line. Every choice of the request calls this with the same lost
-        worker and gets the same new one. Raises `error` when none can take it before the replay deadline (or at
-        once when the gateway is shutting down). started=False (no token was generated yet): any version will do,
-        so a request refused by a draining canary goes to the version that stays."""
-        if self.worker is not lost and self.worker is not None:
-            return self.worker
-        if self._rebinding is None or self._rebinding.done():
-            self._rebinding = asyncio.get_running_loop().create_future()
-            if not started:
-                self.version = None
-            self.gateway._replay(self, lost, error)
-        return await asyncio.shield(self._rebinding)
 
     def on_output(self, num_tokens: int) -> None:
         """Generated tokens arrived: charged to the tenant's fair-share counter, and counted as drained work (with
@@ -248,10 +233,9 @@ class Ticket:
             self._timer.cancel()
         if not self._future.done():
             self._future.cancel()
-        if self._rebinding is not None and not self._rebinding.done():
-            self._rebinding.cancel()
+        g.failover.forget(self)
         if self.worker is not None:
-            g._release(self.worker, self.band, self.num_seqs)
+            g.release_room(self.worker, self.band, self.num_seqs)
         g._close_ticket(self)
         if dispatched:
             g._observe_output(used_tokens, self.reserved_tokens)
@@ -260,15 +244,6 @@ class Ticket:
             g.metrics.tenant_tokens.labels(self.tenant.name).inc(min(used, self.reserved_tokens))
         g._settle(self.tenant, self.lease_id, self.reserved_tokens, used, refund_request=not dispatched)
         g.pump()
-
-
-@dataclass(eq=False)
-class _Replay:
-    """A request whose worker was lost, waiting for another (ahead of the line) until its timer fails it."""
-    ticket: Ticket
-    lost: WorkerClient
-    error: Exception
-    timer: asyncio.TimerHandle | None = None
 
 
 class Gateway:
@@ -286,8 +261,7 @@ class Gateway:
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
         self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
-        self._replays: list[_Replay] = []  # waiting for a new worker
-        self.replay_timeout = DEFAULT_REPLAY_TIMEOUT_S
+        self.failover = Failover(self)  # requests whose worker was lost, waiting for another
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
         self.version_shares: dict[str, float] | None = None
@@ -317,7 +291,7 @@ class Gateway:
         lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
         decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, reserved_tokens)
         if not decision.allowed:
-            self._count(f"rate_limited_{decision.reason}")
+            self.count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
         ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
         self._open_ticket(ticket)
@@ -330,9 +304,9 @@ class Gateway:
             self._enqueue(ticket)
         except (Overloaded, QueueShareExceeded) as e:
             ticket.finish(0)
-            self._count("overloaded" if isinstance(e, Overloaded) else "queue_share")
+            self.count("overloaded" if isinstance(e, Overloaded) else "queue_share")
             raise
-        self._count("admitted")
+        self.count("admitted")
         now = time.perf_counter()
         self._arrivals.append((now, expected))
         self._trim_arrivals(now)
@@ -344,7 +318,7 @@ class Gateway:
         lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
         decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, 0)
         if not decision.allowed:
-            self._count(f"rate_limited_{decision.reason}")
+            self.count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, 0, self.limiter.window)
         self._settle(tenant, lease_id, 0, 0, refund_request=False)
 
@@ -449,7 +423,7 @@ class Gateway:
                 return
             victim = max(victims, key=lambda v: (v.band, v.seq))
             line.remove(victim)
-            self._count("shed")
+            self.count("shed")
             victim.payload._fail(Overloaded("the service is saturated: this request was shed from the waiting "
                                             "line for more important work", self._retry_after(
                                                 line.expected_ahead(victim.band))))
@@ -472,7 +446,7 @@ class Gateway:
 
     def _expire(self, ticket: Ticket) -> None:
         if ticket.waiter is not None and self.line.remove(ticket.waiter):
-            self._count("queue_timeout")
+            self.count("queue_timeout")
             self._update_queue_metrics()
             ticket._fail(QueueTimeout(ticket.queue_seconds))
 
@@ -490,30 +464,30 @@ class Gateway:
         used = sum(assigned[: band + 1])
         return used == 0 or used + num_seqs <= self._capacity(worker)
 
-    def _load(self, worker: WorkerClient) -> int:
+    def load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))
 
-    def _candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
+    def candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
         return [w for w in self.router.workers
                 if w.usable and self._room_on(w, band, num_seqs) and (version is None or w.version == version)]
 
     def _has_room(self, band: int, num_seqs: int = 1) -> bool:
-        return bool(self._candidates(band, None, num_seqs))
+        return bool(self.candidates(band, None, num_seqs))
 
     def _pick(self, ticket: Ticket) -> WorkerClient | None:
-        version = ticket.version or self._choose_version(ticket.band)
-        candidates = self._candidates(ticket.band, version, ticket.num_seqs)
+        version = ticket.version or self.choose_version(ticket.band)
+        candidates = self.candidates(ticket.band, version, ticket.num_seqs)
         if not candidates:
             return None
-        return self.router.rank(candidates, self._load, ticket.prompt_hashes)
+        return self.router.rank(candidates, self.load, ticket.prompt_hashes)
 
-    def _choose_version(self, band: int) -> str | None:
+    def choose_version(self, band: int) -> str | None:
         """During a rollout: the version whose share of new requests is furthest behind its target, among those
         with room (counted, not drawn at random, so that a canary's share is exact over any run of requests)."""
         shares = self.version_shares
         if not shares:
             return None
-        open_versions = {w.version for w in self._candidates(band, None)}
+        open_versions = {w.version for w in self.candidates(band, None)}
         total = sum(self._version_counts.get(v, 0) for v in shares) + 1
         best, best_deficit = None, None
         for version, share in shares.items():
@@ -527,7 +501,7 @@ class Gateway:
     def pump(self) -> None:
         """Binds waiters to workers while the next in line has room somewhere. The next in line is the best band's:
         if it has no room, no worse band has either."""
-        self._pump_replays()
+        self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:
             w = self.line.peek()
@@ -550,7 +524,7 @@ class Gateway:
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
         if not self._assigned:
             self.drain.busy(time.perf_counter())
-        self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
+        self.take_room(worker, ticket.band, ticket.num_seqs)
         self._num_dispatched += 1
         ticket.worker = ticket.first_worker = worker
         ticket.version = worker.version
@@ -564,68 +538,6 @@ class Gateway:
         if self.metrics is not None:
             self.metrics.queue_wait.observe(ticket.dispatched_at - ticket.admitted_at)
         ticket._future.set_result(worker)
-
-    # ---- replay ---------------------------------------------------------------------------------------------
-    def _replay(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> None:
-        self._release(lost, ticket.band, ticket.num_seqs)
-        ticket.worker = None
-        if self.closing:
-            ticket._rebinding.set_exception(error)
-            return
-        replay = _Replay(ticket, lost, error)
-        replay.timer = asyncio.get_running_loop().call_later(self.replay_timeout, self._replay_expired, replay)
-        self._replays.append(replay)
-        self.pump()
-
-    def _replay_expired(self, replay: "_Replay") -> None:
-        """No worker took it by its deadline (a timer, not a clock comparison: it cannot be missed)."""
-        if replay in self._replays:
-            self._replays.remove(replay)
-            self._fail_replay(replay)
-
-    def _fail_replay(self, replay: "_Replay") -> None:
-        future = replay.ticket._rebinding
-        if future is not None and not future.done():
-            self._count("replay_failed")
-            future.set_exception(replay.error)
-
-    def _pump_replays(self) -> None:
-        """Replays go first: their clients are mid-stream. One that finds no worker by its deadline fails."""
-        if not self._replays:
-            return
-        waiting = []
-        for replay in self._replays:
-            ticket, lost, error = replay.ticket, replay.lost, replay.error
-            future = ticket._rebinding
-            if future is None or future.done() or ticket._finished:
-                replay.timer.cancel()
-                continue
-            version = ticket.version or self._choose_version(ticket.band)
-            candidates = [w for w in self._candidates(ticket.band, version, ticket.num_seqs) if w is not lost]
-            if candidates:
-                worker = self.router.rank(candidates, self._load, ticket.prompt_hashes)
-                self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
-                ticket.worker = worker
-                ticket.version = worker.version
-                ticket.num_replays += 1
-                self.router.remember(worker, ticket.prompt_hashes)
-                self._count("replayed")
-                replay.timer.cancel()
-                future.set_result(worker)
-            elif self.closing or self._version_gone(ticket, lost, error):
-                replay.timer.cancel()
-                self._fail_replay(replay)
-            else:
-                waiting.append(replay)
-        self._replays = waiting
-
-    def _version_gone(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> bool:
-        """A drained worker (not a dead one, which is restarted) whose version has no other worker: nothing will
-        come to take the request, so it fails now instead of at the replay deadline."""
-        if isinstance(error, WorkerDead) or ticket.version is None:
-            return False
-        return not any(w is not lost and w.dead is None and w.version == ticket.version and not w.draining
-                       for w in self.router.workers)
 
     def arrival_rate(self, now: float, window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> float:
         """Expected tokens (prompt + expected output) of the requests admitted per second over the last window."""
@@ -656,9 +568,13 @@ class Gateway:
     @property
     def num_in_flight(self) -> int:
         """Sequences bound to a worker (or being moved to another)."""
-        return sum(sum(a) for a in self._assigned.values()) + sum(r.ticket.num_seqs for r in self._replays)
+        return sum(sum(a) for a in self._assigned.values()) + self.failover.num_seqs
 
-    def _release(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
+    def take_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
+        """num_seqs sequences of this band are bound to worker (release_room gives them back)."""
+        self._assigned.setdefault(worker, [0] * len(TIERS))[band] += num_seqs
+
+    def release_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
         assigned = self._assigned.get(worker)
         if assigned is not None:
             assigned[band] -= num_seqs
@@ -668,7 +584,7 @@ class Gateway:
                     self.drain.idle()
 
     # ---- metrics --------------------------------------------------------------------------------------------
-    def _count(self, outcome: str) -> None:
+    def count(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.admissions.labels(outcome).inc()
 
