@@ -37,7 +37,7 @@ from .config import DEFAULT_WORKER_ALLOW, REDIS_PASSWORD_ENV
 from .config import (DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_HTTP_IDLE_PER_ADDRESS, DEFAULT_LIMIT_CONCURRENCY,
                      DEFAULT_SSE_WRITE_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, HTTP_KEEP_ALIVE_S, HTTP_MIN_BODY_RATE,
                      NEW_CONNECTION_IDLE_TIMEOUT_S)
-from .gateway.line import POLICIES
+from .gateway.waiting_queue import POLICIES
 
 
 def parse_bytes(text: str) -> int:

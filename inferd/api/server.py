@@ -139,7 +139,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     except Exception as e:  # Redis unreachable, a keys file that does not parse
         print(f"error: {e}", file=sys.stderr)
         return 1
-    # without a keys file every request is one tenant's: a per-tenant share of the line would only shrink it
+    # without a keys file every request is one tenant's: a per-tenant share of the queue would only shrink it
     share = opts.tenant_queue_share if keys is not None else 1.0
     gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
                                                       opts.queue_timeout, opts.fairness, opts.worker_queue_depth,
@@ -239,7 +239,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
 
 class _EmbeddingBackend:
     """One embedding model's workers (local: `inferd worker --task embed` started here; remote: given or found in
-    the registry, announcing this model), their router and their waiting line (the same limiter: the same
+    the registry, announcing this model), their router and their queue (the same limiter: the same
     tenants' quotas)."""
 
     def __init__(self, spec: EmbeddingModelSpec, opts: ServeOptions, limiter):
@@ -320,7 +320,7 @@ FINAL_FLUSH_S = 2.0  # after the drain: seconds uvicorn gives responses to write
 
 
 async def _drain(state, backend, grace: float) -> None:
-    """SIGTERM: new requests get 503 with Retry-After, waiting ones leave the line with the same, running streams
+    """SIGTERM: new requests get 503 with Retry-After, waiting ones leave the queue with the same, running streams
     get `grace` seconds to finish; then the workers stop and hand back what still runs, which ends with an error
     event `shutdown` (there is no other worker of this server to move it to)."""
     gateway = state.gateway

@@ -1,18 +1,23 @@
 """The gateway: a request's way from "valid" to "bound to a worker" (DESIGN.md steps 2-4).
 
 `Gateway.admit` reserves the tenant's quota (429 when the tenant is over its own limits), then either binds the
-request to a worker that has room now, or puts it in the waiting line, or refuses it at once with 503 `overloaded`
-(the line is full, or the wait it would face, queued work / measured drain rate, is over its deadline); Retry-After
-comes from the drain rate. A waiting request leaves the line when a worker has room for it (`Ticket.wait` returns the
+request to a worker that has room now, or puts it in the queue, or refuses it at once with 503 `overloaded`
+(the queue is full, or the wait it would face, queued work / measured drain rate, is over its deadline); Retry-After
+comes from the drain rate. A waiting request leaves the queue when a worker has room for it (`Ticket.wait` returns the
 worker), or at its deadline with QueueTimeout, having cost no GPU time. `Ticket.finish` settles the quota with the
-tokens really used and frees the worker's room, which dispatches the next in line.
+tokens really used and frees the worker's room, which dispatches the next in the queue.
 
 Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a band or better. Work of a worse band does
 not count against a better one, so a worker full of batch work still has room for an interactive request: the
 engine runs requests by priority and preempts its least important running request for it (recompute).
 
-When the line is full, a request of a better band sheds the newest waiter of the worst band below it (503
+When the queue is full, a request of a better band sheds the newest waiter of the worst band below it (503
 `overloaded` to that one), so that priority holds at the bound too.
+
+Words: a *tier* is the named class a tenant (or a request, x-inferd-tier) is in: interactive, standard, batch
+(config.TIERS); its *band* is the same tier as the integer the code compares, its index in TIERS (0 = interactive,
+served first). The engine receives the band as the request's `priority`. The *queue* is where admitted requests wait
+for a worker (inferd/gateway/waiting_queue.py); "line" is only ever a Batch API input line.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ..worker.client import WorkerClient
 from .failover import Failover
 from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
-from .line import WaitingLine, Waiter
+from .waiting_queue import WaitingQueue, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
 
@@ -75,7 +80,7 @@ class Overloaded(Exception):
 
 
 class QueueShareExceeded(Exception):
-    """The tenant already holds its share of the waiting line (so that one tenant cannot fill it): 429."""
+    """The tenant already holds its share of the queue (so that one tenant cannot fill it): 429."""
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
@@ -86,7 +91,7 @@ class QueueTimeout(Exception):
     """The request's deadline passed while it waited: it never reached a worker."""
 
     def __init__(self, waited: float):
-        super().__init__(f"the request waited {waited:.1f} s in the line without reaching a worker (its queue "
+        super().__init__(f"the request waited {waited:.1f} s in the queue without reaching a worker (its queue "
                          "deadline)")
         self.waited = waited
 
@@ -98,7 +103,7 @@ class GatewayOptions:
     queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
     fairness: str = "vtc"
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
-    # the most of the line's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
+    # the most of the queue's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
     # without a keys file has one tenant, and gets 1.0)
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
 
@@ -149,7 +154,7 @@ class DrainRate:
 
 
 class Ticket:
-    """An admitted request: its reservation, its place in the line, then its worker."""
+    """An admitted request: its reservation, its place in the queue, then its worker."""
 
     def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
                  decision: Decision, timeout: float, num_seqs: int = 1):
@@ -187,7 +192,7 @@ class Ticket:
 
     async def wait(self) -> WorkerClient:
         """The worker this request is bound to (at once when it was not queued); QueueTimeout or Overloaded (shed)
-        when it leaves the line without one."""
+        when it leaves the queue without one."""
         return await asyncio.shield(self._future)
 
     def _fail(self, error: Exception) -> None:
@@ -207,7 +212,7 @@ class Ticket:
                 self._drained_prompt = True
                 drained += self.waiter.prompt_tokens if self.waiter is not None else 0
             g.drain.record(time.perf_counter(), drained)
-            amount = g.line.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
+            amount = g.queue.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
 
@@ -216,7 +221,7 @@ class Ticket:
         return self._finished
 
     def finish(self, used_tokens: int) -> None:
-        """Frees everything the request holds, at once and exactly once (idempotent): its place in the line, its
+        """Frees everything the request holds, at once and exactly once (idempotent): its place in the queue, its
         room on a worker, the in-flight count, then the quota: refunds reserved - used (everything, the request
         included, when it never reached a worker) and the tenant's concurrency lease. Synchronous on purpose: it runs
         from cleanup paths inside cancelled scopes (a client that disconnected), where any await would raise again
@@ -227,7 +232,7 @@ class Ticket:
         self._finished = True
         g = self.gateway
         dispatched = self.dispatched_at is not None  # it reached a worker (it may have lost it since)
-        if self.waiter is not None and g.line.remove(self.waiter):
+        if self.waiter is not None and g.queue.remove(self.waiter):
             g._update_queue_metrics()
         if self._timer is not None:
             self._timer.cancel()
@@ -253,14 +258,14 @@ class Gateway:
         self.limiter = limiter if limiter is not None else InProcessLimiter()
         self.options = options or GatewayOptions()
         self.metrics = metrics
-        self.line = WaitingLine(self.options.max_queue_requests, self.options.max_queue_tokens,
+        self.queue = WaitingQueue(self.options.max_queue_requests, self.options.max_queue_tokens,
                                 self.options.fairness)
         self.drain = DrainRate()
         self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per band
         self._leases = itertools.count(1)
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
-        self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
+        self.high_water = (0, 0)  # the most requests and reserved tokens the queue ever held
         self.failover = Failover(self)  # requests whose worker was lost, waiting for another
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
@@ -281,7 +286,7 @@ class Gateway:
                     queue_timeout: float | None = None, prompt: list[int] | None = None,
                     num_seqs: int = 1, cache_salt: str = "") -> Ticket:
         """Reserves quota and binds or queues the request. Raises RateLimited (429), QueueShareExceeded (429: the
-        tenant already fills its share of the line), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
+        tenant already fills its share of the queue), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
         num_seqs: the sequences the request runs (prompts x n), the room it takes on a worker."""
         if self.closing:
             raise NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
@@ -378,15 +383,15 @@ class Gateway:
 
     def _enqueue(self, ticket: Ticket) -> None:
         w = ticket.waiter
-        line = self.line
-        if not line.fits(w.reserved_tokens):
+        queue = self.queue
+        if not queue.fits(w.reserved_tokens):
             self._shed_for(w)
-        if not line.fits(w.reserved_tokens):
-            raise Overloaded(f"the service is saturated: the waiting line is full ({line.num_requests} requests, "
-                             f"{line.num_tokens} reserved tokens; limits {line.max_requests} and {line.max_tokens})",
-                             self._retry_after(line.expected_ahead(len(TIERS) - 1)))
+        if not queue.fits(w.reserved_tokens):
+            raise Overloaded(f"the service is saturated: the queue is full ({queue.num_requests} requests, "
+                             f"{queue.num_tokens} reserved tokens; limits {queue.max_requests} and {queue.max_tokens})",
+                             self._retry_after(queue.expected_ahead(len(TIERS) - 1)))
         self._check_tenant_share(w)
-        ahead = line.expected_ahead(w.band)
+        ahead = queue.expected_ahead(w.band)
         if ahead > 0 or not self._has_room(w.band, ticket.num_seqs):
             rate = self.drain.rate(time.perf_counter())
             if rate:
@@ -395,7 +400,7 @@ class Gateway:
                     raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
                                      f"{ahead + w.expected_tokens:.0f} tokens of work ahead at {rate:.0f} tokens/s) "
                                      f"is over this request's deadline ({ticket.timeout:g} s)", self._retry_after(ahead))
-        line.push(w)
+        queue.push(w)
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
         self.pump()
@@ -404,29 +409,29 @@ class Gateway:
         share = self.options.tenant_queue_share
         if share >= 1.0:
             return
-        line = self.line
-        requests, tokens = line.tenant_load(w.tenant)
-        max_requests = max(1, math.floor(line.max_requests * share))
-        max_tokens = max(w.reserved_tokens, math.floor(line.max_tokens * share))
+        queue = self.queue
+        requests, tokens = queue.tenant_load(w.tenant)
+        max_requests = max(1, math.floor(queue.max_requests * share))
+        max_tokens = max(w.reserved_tokens, math.floor(queue.max_tokens * share))
         if requests + 1 > max_requests or tokens + w.reserved_tokens > max_tokens:
             raise QueueShareExceeded(
                 f"tenant {w.tenant} already has {requests} requests ({tokens} reserved tokens) waiting: its share of "
-                f"the waiting line is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
-                "of them have started.", self._retry_after(line.expected_ahead(w.band)))
+                f"the queue is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
+                "of them have started.", self._retry_after(queue.expected_ahead(w.band)))
 
     def _shed_for(self, w: Waiter) -> None:
         """Drops the newest waiters of worse bands until w fits (or none is left)."""
-        line = self.line
-        while not line.fits(w.reserved_tokens):
-            victims = [v for v in line.waiters() if v.band > w.band]
+        queue = self.queue
+        while not queue.fits(w.reserved_tokens):
+            victims = [v for v in queue.waiters() if v.band > w.band]
             if not victims:
                 return
             victim = max(victims, key=lambda v: (v.band, v.seq))
-            line.remove(victim)
+            queue.remove(victim)
             self.count("shed")
             victim.payload._fail(Overloaded("the service is saturated: this request was shed from the waiting "
-                                            "line for more important work", self._retry_after(
-                                                line.expected_ahead(victim.band))))
+                                            "queue for more important work", self._retry_after(
+                                                queue.expected_ahead(victim.band))))
 
     def _retry_after(self, work_ahead: float) -> int:
         rate = self.drain.rate(time.perf_counter())
@@ -445,7 +450,7 @@ class Gateway:
                 0.9 * self._expected_output + 0.1 * ratio
 
     def _expire(self, ticket: Ticket) -> None:
-        if ticket.waiter is not None and self.line.remove(ticket.waiter):
+        if ticket.waiter is not None and self.queue.remove(ticket.waiter):
             self.count("queue_timeout")
             self._update_queue_metrics()
             ticket._fail(QueueTimeout(ticket.queue_seconds))
@@ -499,18 +504,18 @@ class Gateway:
         return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
-        """Binds waiters to workers while the next in line has room somewhere. The next in line is the best band's:
+        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the best band's:
         if it has no room, no worse band has either."""
         self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:
-            w = self.line.peek()
+            w = self.queue.peek()
             if w is None:
                 break
             worker = self._pick(w.payload)
             if worker is None:
                 break
-            amount = self.line.pop(w)
+            amount = self.queue.pop(w)
             moved = True
             ticket: Ticket = w.payload
             if ticket._timer is not None:
@@ -550,20 +555,20 @@ class Gateway:
             self._arrivals.popleft()
 
     def close(self) -> None:
-        """The server is shutting down: refuse new work, fail what waits in the line and every pending replay."""
+        """The server is shutting down: refuse new work, fail what waits in the queue and every pending replay."""
         self.closing = True
         self.leases.stop()
-        for w in list(self.line.waiters()):
-            self.line.remove(w)
+        for w in list(self.queue.waiters()):
+            self.queue.remove(w)
             w.payload._fail(NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))
         self._update_queue_metrics()
         self.pump()
 
     def busy_above(self, band: int) -> int:
-        """Sequences of more important bands than `band` bound to a worker or waiting in the line (the Batch API
+        """Sequences of more important bands than `band` bound to a worker or waiting in the queue (the Batch API
         backs off while there are any)."""
         bound = sum(sum(a[:band]) for a in self._assigned.values())
-        return bound + sum(1 for w in self.line.waiters() if w.band < band)
+        return bound + sum(1 for w in self.queue.waiters() if w.band < band)
 
     @property
     def num_in_flight(self) -> int:
@@ -593,10 +598,10 @@ class Gateway:
         if m is None:
             return
         for band, tier in enumerate(TIERS):
-            m.queue_requests.labels(tier).set(self.line.num_by_band[band])
-            m.queue_tier_tokens.labels(tier).set(self.line.tokens_by_band[band])
-        m.queue_tokens.set(self.line.num_tokens)
-        line = self.line
-        self.high_water = (max(self.high_water[0], line.num_requests), max(self.high_water[1], line.num_tokens))
+            m.queue_requests.labels(tier).set(self.queue.num_by_band[band])
+            m.queue_tier_tokens.labels(tier).set(self.queue.tokens_by_band[band])
+        m.queue_tokens.set(self.queue.num_tokens)
+        queue = self.queue
+        self.high_water = (max(self.high_water[0], queue.num_requests), max(self.high_water[1], queue.num_tokens))
         m.queue_requests_max.set(self.high_water[0])
         m.queue_tokens_max.set(self.high_water[1])
