@@ -1,7 +1,7 @@
 """The Batch API's runner: validates new batches, runs the pending lines of every batch in progress, resumes after a
 restart, finalizes, expires, cancels, and sweeps finished batches out after the retention period.
 
-Lines go through the same admission as HTTP requests (the batch owner's quota, fair sharing, the waiting line) in
+Lines go through the same admission as HTTP requests (the batch owner's quota, fair sharing, the queue) in
 the `batch` tier, so interactive traffic goes first and preempts them on the workers. Between tenants the runner is
 fair and keeps them apart:
 - the tenants with work take turns (round robin), whatever the age of their batches;

@@ -1,5 +1,6 @@
 """The Batch API's store: `/v1/files` and `/v1/batches` as OpenAI defines them, durable. The runner that runs the
-lines is batch_runner.py, the validation of an input file batch_input.py, the routes batch_routes.py.
+lines is batch_runner.py, the validation of an input file batch_input.py, how one line runs batch_lines.py, the
+routes routes/files.py and routes/batches.py.
 
 State lives in SQLite (`STATE_DIR/batches.sqlite3`, WAL) and files on disk (`STATE_DIR/files/`): a batch's lines
 are stored at validation, each line's result is recorded once (an UPDATE guarded by the line still being pending),

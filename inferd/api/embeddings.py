@@ -1,21 +1,16 @@
-"""/v1/embeddings: OpenAI's shapes over embedding workers (`inferd worker --task embed`), behind their own router
-and waiting line but the same tenants and quotas (the inputs' tokens count as prompt tokens)."""
+"""/v1/embeddings' models: OpenAI's shapes over embedding workers (`inferd worker --task embed`), behind their own
+router and queue but the same tenants and quotas (the inputs' tokens count as prompt tokens)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
-import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..config import (EMBED_MAX_CHARS_PER_TOKEN, MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, MAX_REPLAYS_PER_REQUEST,
-                      TOKENIZE_INLINE_MAX_CHARS)
-from ..engine.request import SamplingParams
-from ..worker.client import WorkerUnavailable
-from .errors import APIError, invalid
+from ..config import EMBED_MAX_CHARS_PER_TOKEN, MAX_EMBEDDING_INPUTS, MAX_IDENTIFIER_CHARS, TOKENIZE_INLINE_MAX_CHARS
+from .errors import INVALID_REQUEST, APIError, invalid
 from .tokenizing import off_the_loop
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)]
@@ -34,7 +29,11 @@ class EmbeddingRequest(BaseModel):
     user: Identifier | None = None
 
 
-class EmbeddingService:
+class EmbeddingModel:
+    """An embedding model served beside the generation model: its workers' router and gateway, its tokenizer, and
+    OpenAI's shapes of its requests (inputs in, vectors out). Running a request is the generation service's
+    (inferd/api/generation.py `GenerationService.embed`)."""
+
     def __init__(self, router, gateway, encode, model_name: str, metrics=None):
         self.router = router
         self.gateway = gateway
@@ -95,49 +94,8 @@ class EmbeddingService:
                 raise invalid(f"input token id {bad} is outside the vocabulary [0, {hello.vocab_size})",
                               param="input")
 
-    async def create(self, req: EmbeddingRequest, tenant, band: int, queue_timeout, cache_salt: str) -> dict:
-        ids = await self.inputs(req)
-        tokens = sum(len(x) for x in ids)
-        ticket = await self.gateway.admit(tenant, band, tokens, tokens, queue_timeout, prompt=None,
-                                          num_seqs=len(ids), cache_salt=cache_salt)
-        used = 0
-        try:
-            worker = ticket.worker or await ticket.wait()
-            base = "emb-" + uuid.uuid4().hex
-
-            async def one(i: int, x: list[int]) -> list[float]:
-                """An input's vector; an input whose worker is lost (died, hung, drained) runs again on the
-                worker the gateway rebinds the request to (an embedding has no state to carry over)."""
-                nonlocal used
-                bound = worker
-                for attempt in range(MAX_REPLAYS_PER_REQUEST + 1):
-                    request_id = f"{base}-{i}" + (f".r{attempt}" if attempt else "")
-                    stream = self.router.generate(request_id, x, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                               cache_salt=cache_salt), bound)
-                    try:
-                        async for out in stream:
-                            if out.finished:
-                                if out.embedding is None:
-                                    raise APIError(500, "the embedding worker answered without a vector",
-                                                   code="engine_error")
-                                used += len(x)
-                                ticket.on_output(1)
-                                return out.embedding
-                    except WorkerUnavailable as e:
-                        if attempt == MAX_REPLAYS_PER_REQUEST:
-                            raise
-                        bound = await ticket.rebind(bound, e, started=False)
-                        continue
-                    finally:
-                        await stream.aclose()
-                    break
-                raise APIError(503, "the embedding worker ended the request", code="worker_lost",
-                               headers={"Retry-After": "1"})
-
-            vectors = await asyncio.gather(*(one(i, x) for i, x in enumerate(ids)))
-        finally:
-            ticket.finish(used)
-        self.num_requests += 1
+    def response(self, req: EmbeddingRequest, vectors: list[list[float]], tokens: int) -> dict:
+        """OpenAI's embedding response: the vectors in order (base64: little-endian float32), the tokens used."""
         data = []
         for i, vec in enumerate(vectors):
             if req.encoding_format == "base64":
@@ -147,3 +105,19 @@ class EmbeddingService:
             data.append({"object": "embedding", "index": i, "embedding": value})
         return {"object": "list", "data": data, "model": self.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def embedding_model(state, model: str | None) -> EmbeddingModel:
+    """The EmbeddingModel `model` names (None: the first one served); else the 4xx that says why not."""
+    models = state.embeddings
+    if model is None and models:
+        return next(iter(models.values()))
+    if model in models:
+        return models[model]
+    names = ", ".join(f"`{name}`" for name in models)
+    if model == state.model_name:
+        raise invalid(f"`{model}` is a generation model; /v1/embeddings needs an embedding model"
+                      + (f" ({names})" if names else ""), param="model", code="wrong_model_kind")
+    raise APIError(404, f"The model `{model}` does not exist (embedding models here: {names})" if models else
+                   "this server serves no embedding model (start it with --embedding-model)",
+                   INVALID_REQUEST, param="model", code="model_not_found")

@@ -5,7 +5,7 @@ yet are declared, so that the schema is honest about them, and refused by `unsup
 are set to anything but their neutral value: never silently ignored. vLLM's extensions (`top_k`, `ignore_eos`,
 `min_tokens`, `repetition_penalty`, `stop_token_ids`, `return_tokens_as_token_ids`) are accepted.
 
-Responses are built as plain dicts on the hot path (see serving.py); the models below describe them for the
+Responses are built as plain dicts on the hot path (see responses.py); the models below describe them for the
 OpenAPI document, and the schema tests check that every response conforms.
 """
 

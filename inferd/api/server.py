@@ -126,8 +126,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     from ..gateway.router import Router
     from ..gateway.tenants import KeyStore
     from ..telemetry.metrics import Metrics
-    from .app import ServerState, build_app
+    from .app import build_app
     from .http_limits import protocol_class
+    from .state import ServerState
 
     router = Router()
     metrics = Metrics(opts.served_model_name, router.latest_stats, lambda: list(router.workers),
@@ -138,13 +139,13 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     except Exception as e:  # Redis unreachable, a keys file that does not parse
         print(f"error: {e}", file=sys.stderr)
         return 1
-    # without a keys file every request is one tenant's: a per-tenant share of the line would only shrink it
+    # without a keys file every request is one tenant's: a per-tenant share of the queue would only shrink it
     share = opts.tenant_queue_share if keys is not None else 1.0
     gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
                                                       opts.queue_timeout, opts.fairness, opts.worker_queue_depth,
                                                       tenant_queue_share=share),
                       metrics)
-    gateway.replay_timeout = opts.replay_timeout
+    gateway.failover.timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
                         keys=keys, sse_keepalive_s=opts.sse_keepalive, admin_key=opts.admin_key,
                         sse_write_timeout=opts.sse_write_timeout, metrics_key=opts.metrics_key)
@@ -238,7 +239,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
 
 class _EmbeddingBackend:
     """One embedding model's workers (local: `inferd worker --task embed` started here; remote: given or found in
-    the registry, announcing this model), their router and their waiting line (the same limiter: the same
+    the registry, announcing this model), their router and their queue (the same limiter: the same
     tenants' quotas)."""
 
     def __init__(self, spec: EmbeddingModelSpec, opts: ServeOptions, limiter):
@@ -250,7 +251,7 @@ class _EmbeddingBackend:
         self.gateway = Gateway(self.router, limiter, GatewayOptions(
             opts.max_queue_requests, opts.max_queue_tokens, opts.queue_timeout, opts.fairness,
             opts.worker_queue_depth, tenant_queue_share=opts.tenant_queue_share if opts.keys_path else 1.0), None)
-        self.gateway.replay_timeout = opts.replay_timeout
+        self.gateway.failover.timeout = opts.replay_timeout
         if spec.worker_args is not None:
             from ..cluster.pool import WorkerPool
 
@@ -267,14 +268,14 @@ class _EmbeddingBackend:
 
     async def start(self, state) -> None:
         from ..models.embedding_models import embedding_tokenizer
-        from .embeddings import EmbeddingService
+        from .embeddings import EmbeddingModel
 
         encode = await asyncio.to_thread(embedding_tokenizer, self.spec.path)
         if self.pool is not None:
             await self.pool.add(1)
         else:
             await self.remote.start()
-        state.embeddings[self.spec.name] = EmbeddingService(self.router, self.gateway, encode, self.spec.name,
+        state.embeddings[self.spec.name] = EmbeddingModel(self.router, self.gateway, encode, self.spec.name,
                                                             state.metrics)
 
     async def stop(self) -> None:
@@ -297,7 +298,7 @@ async def _start_batches(state, opts: ServeOptions):
         return None
     import fcntl
 
-    from .batch_routes import start_batches
+    from .batch_lines import start_batches
     from .batches import private_dir
 
     private_dir(Path(opts.state_dir))
@@ -319,7 +320,7 @@ FINAL_FLUSH_S = 2.0  # after the drain: seconds uvicorn gives responses to write
 
 
 async def _drain(state, backend, grace: float) -> None:
-    """SIGTERM: new requests get 503 with Retry-After, waiting ones leave the line with the same, running streams
+    """SIGTERM: new requests get 503 with Retry-After, waiting ones leave the queue with the same, running streams
     get `grace` seconds to finish; then the workers stop and hand back what still runs, which ends with an error
     event `shutdown` (there is no other worker of this server to move it to)."""
     gateway = state.gateway

@@ -49,7 +49,7 @@ from ..config import (
     TOOL_CALL_PARSERS,
     WORKER_SECRET_ENV,
 )
-from ..gateway.line import POLICIES
+from ..gateway.waiting_queue import POLICIES
 from .types import parse_bytes, parse_duration, parse_rate, positive_float, positive_int
 
 

@@ -23,7 +23,7 @@ def demand(state, current_workers: int, window: float) -> Demand:
     usage = [s.kv_blocks_in_use / s.kv_num_blocks for w in router.workers
              if (s := w.latest_stats) is not None and s.kv_num_blocks and w.dead is None]
     return Demand(arrival_tokens_per_s=gateway.arrival_rate(time.perf_counter(), window),
-                  queued_tokens=gateway.line.num_tokens,
+                  queued_tokens=gateway.queue.num_tokens,
                   kv_usage=sum(usage) / len(usage) if usage else 0.0, current_workers=current_workers)
 
 

@@ -1,18 +1,23 @@
 """The gateway: a request's way from "valid" to "bound to a worker" (docs/architecture.md, "The request path").
 
 `Gateway.admit` reserves the tenant's quota (429 when the tenant is over its own limits), then either binds the
-request to a worker that has room now, or puts it in the waiting line, or refuses it at once with 503 `overloaded`
-(the line is full, or the wait it would face, queued work / measured drain rate, is over its deadline); Retry-After
-comes from the drain rate. A waiting request leaves the line when a worker has room for it (`Ticket.wait` returns the
+request to a worker that has room now, or puts it in the queue, or refuses it at once with 503 `overloaded`
+(the queue is full, or the wait it would face, queued work / measured drain rate, is over its deadline); Retry-After
+comes from the drain rate. A waiting request leaves the queue when a worker has room for it (`Ticket.wait` returns the
 worker), or at its deadline with QueueTimeout, having cost no GPU time. `Ticket.finish` settles the quota with the
-tokens really used and frees the worker's room, which dispatches the next in line.
+tokens really used and frees the worker's room, which dispatches the next in the queue.
 
 Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a band or better. Work of a worse band does
 not count against a better one, so a worker full of batch work still has room for an interactive request: the
 engine runs requests by priority and preempts its least important running request for it (recompute).
 
-When the line is full, a request of a better band sheds the newest waiter of the worst band below it (503
+When the queue is full, a request of a better band sheds the newest waiter of the worst band below it (503
 `overloaded` to that one), so that priority holds at the bound too.
+
+Words: a *tier* is the named class a tenant (or a request, x-inferd-tier) is in: interactive, standard, batch
+(config.TIERS); its *band* is the same tier as the integer the code compares, its index in TIERS (0 = interactive,
+served first). The engine receives the band as the request's `priority`. The *queue* is where admitted requests wait
+for a worker (inferd/gateway/waiting_queue.py); "line" is only ever a Batch API input line.
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_REPLAY_TIMEOUT_S, DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
+                      DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
                       SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
 from ..telemetry.metrics import Metrics
-from ..worker.client import WorkerClient, WorkerDead
+from ..worker.client import WorkerClient
+from .failover import Failover
 from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
-from .line import WaitingLine, Waiter
+from .waiting_queue import WaitingQueue, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
 
@@ -74,7 +80,7 @@ class Overloaded(Exception):
 
 
 class QueueShareExceeded(Exception):
-    """The tenant already holds its share of the waiting line (so that one tenant cannot fill it): 429."""
+    """The tenant already holds its share of the queue (so that one tenant cannot fill it): 429."""
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
@@ -85,7 +91,7 @@ class QueueTimeout(Exception):
     """The request's deadline passed while it waited: it never reached a worker."""
 
     def __init__(self, waited: float):
-        super().__init__(f"the request waited {waited:.1f} s in the line without reaching a worker (its queue "
+        super().__init__(f"the request waited {waited:.1f} s in the queue without reaching a worker (its queue "
                          "deadline)")
         self.waited = waited
 
@@ -97,7 +103,7 @@ class GatewayOptions:
     queue_timeout: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_QUEUE_TIMEOUT_S))
     fairness: str = "vtc"
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
-    # the most of the line's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
+    # the most of the queue's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
     # without a keys file has one tenant, and gets 1.0)
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
 
@@ -148,7 +154,7 @@ class DrainRate:
 
 
 class Ticket:
-    """An admitted request: its reservation, its place in the line, then its worker."""
+    """An admitted request: its reservation, its place in the queue, then its worker."""
 
     def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
                  decision: Decision, timeout: float, num_seqs: int = 1):
@@ -174,8 +180,7 @@ class Ticket:
         self._drained_prompt = False
         self.prompt_hashes: list[bytes] = []  # the first prompt's block hashes (prefix affinity)
         self.version: str | None = None  # the model version it runs on: fixed at its first dispatch
-        self.num_replays = 0
-        self._rebinding: asyncio.Future | None = None
+        self.num_replays = 0  # times it moved to another worker (gateway/failover.py)
 
     @property
     def waiting(self) -> bool:
@@ -187,7 +192,7 @@ class Ticket:
 
     async def wait(self) -> WorkerClient:
         """The worker this request is bound to (at once when it was not queued); QueueTimeout or Overloaded (shed)
-        when it leaves the line without one."""
+        when it leaves the queue without one."""
         return await asyncio.shield(self._future)
 
     def _fail(self, error: Exception) -> None:
@@ -196,21 +201,6 @@ class Ticket:
         if not self._future.done():
             self._future.set_exception(error)
             self._future.exception()  # retrieved here: the request may already be gone
-
-    async def rebind(self, lost: WorkerClient, error: Exception, started: bool = True) -> WorkerClient:
-        """The worker this request was bound to can no longer run it (died, hung, drained): a worker of the same
-        version with room, ahead of the waiting line. Every choice of the request calls this with the same lost
-        worker and gets the same new one. Raises `error` when none can take it before the replay deadline (or at
-        once when the gateway is shutting down). started=False (no token was generated yet): any version will do,
-        so a request refused by a draining canary goes to the version that stays."""
-        if self.worker is not lost and self.worker is not None:
-            return self.worker
-        if self._rebinding is None or self._rebinding.done():
-            self._rebinding = asyncio.get_running_loop().create_future()
-            if not started:
-                self.version = None
-            self.gateway._replay(self, lost, error)
-        return await asyncio.shield(self._rebinding)
 
     def on_output(self, num_tokens: int) -> None:
         """Generated tokens arrived: charged to the tenant's fair-share counter, and counted as drained work (with
@@ -222,7 +212,7 @@ class Ticket:
                 self._drained_prompt = True
                 drained += self.waiter.prompt_tokens if self.waiter is not None else 0
             g.drain.record(time.perf_counter(), drained)
-            amount = g.line.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
+            amount = g.queue.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
 
@@ -231,7 +221,7 @@ class Ticket:
         return self._finished
 
     def finish(self, used_tokens: int) -> None:
-        """Frees everything the request holds, at once and exactly once (idempotent): its place in the line, its
+        """Frees everything the request holds, at once and exactly once (idempotent): its place in the queue, its
         room on a worker, the in-flight count, then the quota: refunds reserved - used (everything, the request
         included, when it never reached a worker) and the tenant's concurrency lease. Synchronous on purpose: it runs
         from cleanup paths inside cancelled scopes (a client that disconnected), where any await would raise again
@@ -242,16 +232,15 @@ class Ticket:
         self._finished = True
         g = self.gateway
         dispatched = self.dispatched_at is not None  # it reached a worker (it may have lost it since)
-        if self.waiter is not None and g.line.remove(self.waiter):
+        if self.waiter is not None and g.queue.remove(self.waiter):
             g._update_queue_metrics()
         if self._timer is not None:
             self._timer.cancel()
         if not self._future.done():
             self._future.cancel()
-        if self._rebinding is not None and not self._rebinding.done():
-            self._rebinding.cancel()
+        g.failover.forget(self)
         if self.worker is not None:
-            g._release(self.worker, self.band, self.num_seqs)
+            g.release_room(self.worker, self.band, self.num_seqs)
         g._close_ticket(self)
         if dispatched:
             g._observe_output(used_tokens, self.reserved_tokens)
@@ -262,15 +251,6 @@ class Ticket:
         g.pump()
 
 
-@dataclass(eq=False)
-class _Replay:
-    """A request whose worker was lost, waiting for another (ahead of the line) until its timer fails it."""
-    ticket: Ticket
-    lost: WorkerClient
-    error: Exception
-    timer: asyncio.TimerHandle | None = None
-
-
 class Gateway:
     def __init__(self, router: Router, limiter: Limiter | None = None, options: GatewayOptions | None = None,
                  metrics: Metrics | None = None):
@@ -278,16 +258,15 @@ class Gateway:
         self.limiter = limiter if limiter is not None else InProcessLimiter()
         self.options = options or GatewayOptions()
         self.metrics = metrics
-        self.line = WaitingLine(self.options.max_queue_requests, self.options.max_queue_tokens,
+        self.queue = WaitingQueue(self.options.max_queue_requests, self.options.max_queue_tokens,
                                 self.options.fairness)
         self.drain = DrainRate()
         self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per band
         self._leases = itertools.count(1)
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
-        self.high_water = (0, 0)  # the most requests and reserved tokens the line ever held
-        self._replays: list[_Replay] = []  # waiting for a new worker
-        self.replay_timeout = DEFAULT_REPLAY_TIMEOUT_S
+        self.high_water = (0, 0)  # the most requests and reserved tokens the queue ever held
+        self.failover = Failover(self)  # requests whose worker was lost, waiting for another
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
         self.version_shares: dict[str, float] | None = None
@@ -307,7 +286,7 @@ class Gateway:
                     queue_timeout: float | None = None, prompt: list[int] | None = None,
                     num_seqs: int = 1, cache_salt: str = "") -> Ticket:
         """Reserves quota and binds or queues the request. Raises RateLimited (429), QueueShareExceeded (429: the
-        tenant already fills its share of the line), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
+        tenant already fills its share of the queue), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
         num_seqs: the sequences the request runs (prompts x n), the room it takes on a worker."""
         if self.closing:
             raise NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
@@ -317,7 +296,7 @@ class Gateway:
         lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
         decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, reserved_tokens)
         if not decision.allowed:
-            self._count(f"rate_limited_{decision.reason}")
+            self.count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
         ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
         self._open_ticket(ticket)
@@ -330,9 +309,9 @@ class Gateway:
             self._enqueue(ticket)
         except (Overloaded, QueueShareExceeded) as e:
             ticket.finish(0)
-            self._count("overloaded" if isinstance(e, Overloaded) else "queue_share")
+            self.count("overloaded" if isinstance(e, Overloaded) else "queue_share")
             raise
-        self._count("admitted")
+        self.count("admitted")
         now = time.perf_counter()
         self._arrivals.append((now, expected))
         self._trim_arrivals(now)
@@ -344,7 +323,7 @@ class Gateway:
         lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
         decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, 0)
         if not decision.allowed:
-            self._count(f"rate_limited_{decision.reason}")
+            self.count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, 0, self.limiter.window)
         self._settle(tenant, lease_id, 0, 0, refund_request=False)
 
@@ -404,15 +383,15 @@ class Gateway:
 
     def _enqueue(self, ticket: Ticket) -> None:
         w = ticket.waiter
-        line = self.line
-        if not line.fits(w.reserved_tokens):
+        queue = self.queue
+        if not queue.fits(w.reserved_tokens):
             self._shed_for(w)
-        if not line.fits(w.reserved_tokens):
-            raise Overloaded(f"the service is saturated: the waiting line is full ({line.num_requests} requests, "
-                             f"{line.num_tokens} reserved tokens; limits {line.max_requests} and {line.max_tokens})",
-                             self._retry_after(line.expected_ahead(len(TIERS) - 1)))
+        if not queue.fits(w.reserved_tokens):
+            raise Overloaded(f"the service is saturated: the queue is full ({queue.num_requests} requests, "
+                             f"{queue.num_tokens} reserved tokens; limits {queue.max_requests} and {queue.max_tokens})",
+                             self._retry_after(queue.expected_ahead(len(TIERS) - 1)))
         self._check_tenant_share(w)
-        ahead = line.expected_ahead(w.band)
+        ahead = queue.expected_ahead(w.band)
         if ahead > 0 or not self._has_room(w.band, ticket.num_seqs):
             rate = self.drain.rate(time.perf_counter())
             if rate:
@@ -421,7 +400,7 @@ class Gateway:
                     raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
                                      f"{ahead + w.expected_tokens:.0f} tokens of work ahead at {rate:.0f} tokens/s) "
                                      f"is over this request's deadline ({ticket.timeout:g} s)", self._retry_after(ahead))
-        line.push(w)
+        queue.push(w)
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
         self.pump()
@@ -430,29 +409,29 @@ class Gateway:
         share = self.options.tenant_queue_share
         if share >= 1.0:
             return
-        line = self.line
-        requests, tokens = line.tenant_load(w.tenant)
-        max_requests = max(1, math.floor(line.max_requests * share))
-        max_tokens = max(w.reserved_tokens, math.floor(line.max_tokens * share))
+        queue = self.queue
+        requests, tokens = queue.tenant_load(w.tenant)
+        max_requests = max(1, math.floor(queue.max_requests * share))
+        max_tokens = max(w.reserved_tokens, math.floor(queue.max_tokens * share))
         if requests + 1 > max_requests or tokens + w.reserved_tokens > max_tokens:
             raise QueueShareExceeded(
                 f"tenant {w.tenant} already has {requests} requests ({tokens} reserved tokens) waiting: its share of "
-                f"the waiting line is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
-                "of them have started.", self._retry_after(line.expected_ahead(w.band)))
+                f"the queue is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
+                "of them have started.", self._retry_after(queue.expected_ahead(w.band)))
 
     def _shed_for(self, w: Waiter) -> None:
         """Drops the newest waiters of worse bands until w fits (or none is left)."""
-        line = self.line
-        while not line.fits(w.reserved_tokens):
-            victims = [v for v in line.waiters() if v.band > w.band]
+        queue = self.queue
+        while not queue.fits(w.reserved_tokens):
+            victims = [v for v in queue.waiters() if v.band > w.band]
             if not victims:
                 return
             victim = max(victims, key=lambda v: (v.band, v.seq))
-            line.remove(victim)
-            self._count("shed")
+            queue.remove(victim)
+            self.count("shed")
             victim.payload._fail(Overloaded("the service is saturated: this request was shed from the waiting "
-                                            "line for more important work", self._retry_after(
-                                                line.expected_ahead(victim.band))))
+                                            "queue for more important work", self._retry_after(
+                                                queue.expected_ahead(victim.band))))
 
     def _retry_after(self, work_ahead: float) -> int:
         rate = self.drain.rate(time.perf_counter())
@@ -471,8 +450,8 @@ class Gateway:
                 0.9 * self._expected_output + 0.1 * ratio
 
     def _expire(self, ticket: Ticket) -> None:
-        if ticket.waiter is not None and self.line.remove(ticket.waiter):
-            self._count("queue_timeout")
+        if ticket.waiter is not None and self.queue.remove(ticket.waiter):
+            self.count("queue_timeout")
             self._update_queue_metrics()
             ticket._fail(QueueTimeout(ticket.queue_seconds))
 
@@ -490,30 +469,30 @@ class Gateway:
         used = sum(assigned[: band + 1])
         return used == 0 or used + num_seqs <= self._capacity(worker)
 
-    def _load(self, worker: WorkerClient) -> int:
+    def load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))
 
-    def _candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
+    def candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
         return [w for w in self.router.workers
                 if w.usable and self._room_on(w, band, num_seqs) and (version is None or w.version == version)]
 
     def _has_room(self, band: int, num_seqs: int = 1) -> bool:
-        return bool(self._candidates(band, None, num_seqs))
+        return bool(self.candidates(band, None, num_seqs))
 
     def _pick(self, ticket: Ticket) -> WorkerClient | None:
-        version = ticket.version or self._choose_version(ticket.band)
-        candidates = self._candidates(ticket.band, version, ticket.num_seqs)
+        version = ticket.version or self.choose_version(ticket.band)
+        candidates = self.candidates(ticket.band, version, ticket.num_seqs)
         if not candidates:
             return None
-        return self.router.rank(candidates, self._load, ticket.prompt_hashes)
+        return self.router.rank(candidates, self.load, ticket.prompt_hashes)
 
-    def _choose_version(self, band: int) -> str | None:
+    def choose_version(self, band: int) -> str | None:
         """During a rollout: the version whose share of new requests is furthest behind its target, among those
         with room (counted, not drawn at random, so that a canary's share is exact over any run of requests)."""
         shares = self.version_shares
         if not shares:
             return None
-        open_versions = {w.version for w in self._candidates(band, None)}
+        open_versions = {w.version for w in self.candidates(band, None)}
         total = sum(self._version_counts.get(v, 0) for v in shares) + 1
         best, best_deficit = None, None
         for version, share in shares.items():
@@ -525,18 +504,18 @@ class Gateway:
         return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
-        """Binds waiters to workers while the next in line has room somewhere. The next in line is the best band's:
+        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the best band's:
         if it has no room, no worse band has either."""
-        self._pump_replays()
+        self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:
-            w = self.line.peek()
+            w = self.queue.peek()
             if w is None:
                 break
             worker = self._pick(w.payload)
             if worker is None:
                 break
-            amount = self.line.pop(w)
+            amount = self.queue.pop(w)
             moved = True
             ticket: Ticket = w.payload
             if ticket._timer is not None:
@@ -550,7 +529,7 @@ class Gateway:
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
         if not self._assigned:
             self.drain.busy(time.perf_counter())
-        self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
+        self.take_room(worker, ticket.band, ticket.num_seqs)
         self._num_dispatched += 1
         ticket.worker = ticket.first_worker = worker
         ticket.version = worker.version
@@ -565,68 +544,6 @@ class Gateway:
             self.metrics.queue_wait.observe(ticket.dispatched_at - ticket.admitted_at)
         ticket._future.set_result(worker)
 
-    # ---- replay ---------------------------------------------------------------------------------------------
-    def _replay(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> None:
-        self._release(lost, ticket.band, ticket.num_seqs)
-        ticket.worker = None
-        if self.closing:
-            ticket._rebinding.set_exception(error)
-            return
-        replay = _Replay(ticket, lost, error)
-        replay.timer = asyncio.get_running_loop().call_later(self.replay_timeout, self._replay_expired, replay)
-        self._replays.append(replay)
-        self.pump()
-
-    def _replay_expired(self, replay: "_Replay") -> None:
-        """No worker took it by its deadline (a timer, not a clock comparison: it cannot be missed)."""
-        if replay in self._replays:
-            self._replays.remove(replay)
-            self._fail_replay(replay)
-
-    def _fail_replay(self, replay: "_Replay") -> None:
-        future = replay.ticket._rebinding
-        if future is not None and not future.done():
-            self._count("replay_failed")
-            future.set_exception(replay.error)
-
-    def _pump_replays(self) -> None:
-        """Replays go first: their clients are mid-stream. One that finds no worker by its deadline fails."""
-        if not self._replays:
-            return
-        waiting = []
-        for replay in self._replays:
-            ticket, lost, error = replay.ticket, replay.lost, replay.error
-            future = ticket._rebinding
-            if future is None or future.done() or ticket._finished:
-                replay.timer.cancel()
-                continue
-            version = ticket.version or self._choose_version(ticket.band)
-            candidates = [w for w in self._candidates(ticket.band, version, ticket.num_seqs) if w is not lost]
-            if candidates:
-                worker = self.router.rank(candidates, self._load, ticket.prompt_hashes)
-                self._assigned.setdefault(worker, [0] * len(TIERS))[ticket.band] += ticket.num_seqs
-                ticket.worker = worker
-                ticket.version = worker.version
-                ticket.num_replays += 1
-                self.router.remember(worker, ticket.prompt_hashes)
-                self._count("replayed")
-                replay.timer.cancel()
-                future.set_result(worker)
-            elif self.closing or self._version_gone(ticket, lost, error):
-                replay.timer.cancel()
-                self._fail_replay(replay)
-            else:
-                waiting.append(replay)
-        self._replays = waiting
-
-    def _version_gone(self, ticket: Ticket, lost: WorkerClient, error: Exception) -> bool:
-        """A drained worker (not a dead one, which is restarted) whose version has no other worker: nothing will
-        come to take the request, so it fails now instead of at the replay deadline."""
-        if isinstance(error, WorkerDead) or ticket.version is None:
-            return False
-        return not any(w is not lost and w.dead is None and w.version == ticket.version and not w.draining
-                       for w in self.router.workers)
-
     def arrival_rate(self, now: float, window: float = DEFAULT_AUTOSCALE_WINDOW_S) -> float:
         """Expected tokens (prompt + expected output) of the requests admitted per second over the last window."""
         self._trim_arrivals(now, window)
@@ -638,27 +555,31 @@ class Gateway:
             self._arrivals.popleft()
 
     def close(self) -> None:
-        """The server is shutting down: refuse new work, fail what waits in the line and every pending replay."""
+        """The server is shutting down: refuse new work, fail what waits in the queue and every pending replay."""
         self.closing = True
         self.leases.stop()
-        for w in list(self.line.waiters()):
-            self.line.remove(w)
+        for w in list(self.queue.waiters()):
+            self.queue.remove(w)
             w.payload._fail(NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))
         self._update_queue_metrics()
         self.pump()
 
     def busy_above(self, band: int) -> int:
-        """Sequences of more important bands than `band` bound to a worker or waiting in the line (the Batch API
+        """Sequences of more important bands than `band` bound to a worker or waiting in the queue (the Batch API
         backs off while there are any)."""
         bound = sum(sum(a[:band]) for a in self._assigned.values())
-        return bound + sum(1 for w in self.line.waiters() if w.band < band)
+        return bound + sum(1 for w in self.queue.waiters() if w.band < band)
 
     @property
     def num_in_flight(self) -> int:
         """Sequences bound to a worker (or being moved to another)."""
-        return sum(sum(a) for a in self._assigned.values()) + sum(r.ticket.num_seqs for r in self._replays)
+        return sum(sum(a) for a in self._assigned.values()) + self.failover.num_seqs
 
-    def _release(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
+    def take_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
+        """num_seqs sequences of this band are bound to worker (release_room gives them back)."""
+        self._assigned.setdefault(worker, [0] * len(TIERS))[band] += num_seqs
+
+    def release_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
         assigned = self._assigned.get(worker)
         if assigned is not None:
             assigned[band] -= num_seqs
@@ -668,7 +589,7 @@ class Gateway:
                     self.drain.idle()
 
     # ---- metrics --------------------------------------------------------------------------------------------
-    def _count(self, outcome: str) -> None:
+    def count(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.admissions.labels(outcome).inc()
 
@@ -677,10 +598,10 @@ class Gateway:
         if m is None:
             return
         for band, tier in enumerate(TIERS):
-            m.queue_requests.labels(tier).set(self.line.num_by_band[band])
-            m.queue_tier_tokens.labels(tier).set(self.line.tokens_by_band[band])
-        m.queue_tokens.set(self.line.num_tokens)
-        line = self.line
-        self.high_water = (max(self.high_water[0], line.num_requests), max(self.high_water[1], line.num_tokens))
+            m.queue_requests.labels(tier).set(self.queue.num_by_band[band])
+            m.queue_tier_tokens.labels(tier).set(self.queue.tokens_by_band[band])
+        m.queue_tokens.set(self.queue.num_tokens)
+        queue = self.queue
+        self.high_water = (max(self.high_water[0], queue.num_requests), max(self.high_water[1], queue.num_tokens))
         m.queue_requests_max.set(self.high_water[0])
         m.queue_tokens_max.set(self.high_water[1])

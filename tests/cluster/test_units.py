@@ -172,7 +172,7 @@ def test_rollout_promotes_only_after_its_minimum_duration_but_rolls_back_at_once
 
 
 def test_rollout_counts_only_server_side_errors_and_keeps_bounded_samples():
-    from inferd.api.serving import is_server_error
+    from inferd.api.refusals import is_server_error
     from inferd.config import ROLLOUT_MAX_LATENCY_SAMPLES
     from inferd.gateway.admission import Overloaded, QueueTimeout
     from inferd.worker.client import RequestFailed, RequestRejected, WorkerDead, WorkerUnavailable

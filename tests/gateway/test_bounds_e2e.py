@@ -177,7 +177,7 @@ def test_a_head_over_the_size_limit_gets_431(server):
 
 
 def test_the_queue_timeout_header_is_capped_by_the_tier():
-    from inferd.api.app import _requested_timeout
+    from inferd.api.request_tier import requested_timeout as _requested_timeout
     from inferd.config import MAX_QUEUE_TIMEOUT_BY_TIER_S, TIERS
 
     def request(value: str) -> Request:

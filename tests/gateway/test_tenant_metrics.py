@@ -1,4 +1,4 @@
-"""Who sees what of the tenants (inferd/api/app.py's Gatekeeper, telemetry/metrics.py): without --metrics-key,
+"""Who sees what of the tenants (inferd/api/middleware/auth.py, telemetry/metrics.py): without --metrics-key,
 /metrics and /dashboard/data stay open for the aggregates, but the tenants' names, tiers, quotas and usage need the
 metrics or the admin key; the dashboard page runs only its own script and cannot be framed. A real server on an
 echo worker."""

@@ -1,4 +1,4 @@
-"""The waiting line: requests admitted but not yet bound to a worker.
+"""The waiting queue: requests admitted but not yet bound to a worker.
 
 Priority bands by tier (band 0 = interactive before 1 = standard before 2 = batch). Inside a band, fair sharing
 between tenants by virtual token counters (VTC, Sheng et al., OSDI 2024): each tenant has a counter of the weighted
@@ -8,8 +8,8 @@ tenant with the smallest counter, FCFS inside a tenant. A tenant that becomes ba
 current minimum (or, when nobody else waits, to where the band's service has got to), so that an idle period earns
 no credit to starve others with later. The `fcfs` policy (arrival order inside a band) is kept for comparison.
 
-The line is bounded by request count and by queued (reserved) tokens; `fits` tells the admission code whether one
-more would; the line itself never grows past its bounds. Pure data structure: no asyncio, no clock.
+The queue is bounded by request count and by queued (reserved) tokens; `fits` tells the admission code whether one
+more would; the queue itself never grows past its bounds. Pure data structure: no asyncio, no clock.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ POLICIES = ("vtc", "fcfs")
 
 @dataclass(eq=False)
 class Waiter:
-    """One admitted request in the line."""
+    """One admitted request in the queue."""
     tenant: str
     band: int
     weight: float
     prompt_tokens: int
-    reserved_tokens: int  # prompt + max_tokens of every choice: what bounds the line
+    reserved_tokens: int  # prompt + max_tokens of every choice: what bounds the queue
     expected_tokens: float  # prompt + expected output: what the wait estimate drains
-    seq: int = 0  # arrival order (set by the line)
+    seq: int = 0  # arrival order (set by the queue)
     payload: Any = None  # the admission code's own object
 
 
@@ -43,7 +43,7 @@ class _Band:
     floor: float = 0.0  # the counter of the last tenant served: where a newcomer to an empty band starts
 
 
-class WaitingLine:
+class WaitingQueue:
     def __init__(self, max_requests: int, max_tokens: int, policy: str = "vtc"):
         if policy not in POLICIES:
             raise ValueError(f"unknown fairness policy {policy!r} (choose {' or '.join(POLICIES)})")
@@ -77,7 +77,7 @@ class WaitingLine:
     # ---- in and out ------------------------------------------------------------------------------------------
     def push(self, w: Waiter) -> None:
         if not self.fits(w.reserved_tokens):
-            raise OverflowError("the waiting line is full")  # the admission code checks fits() first
+            raise OverflowError("the waiting queue is full")  # the admission code checks fits() first
         band = self.bands[w.band]
         queue = band.queues.get(w.tenant)
         if queue is None:  # the tenant becomes backlogged in this band: lift its counter
