@@ -411,7 +411,7 @@ class Engine:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
         outputs = []
         for req, drafts, tokens, first_row in out.requests:
-            if req.is_finished:  # failed above
+            if out.failed and req.is_finished:  # failed above: its rows are dropped
                 continue
             verdicts = out.grammar.get(req.request_id)
             merged = None

@@ -117,6 +117,8 @@ def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
     when every draft before it was right (equal to the token sampled at its position), so the kept tokens are the
     drafts up to the first one that differs from its sampled token, then that sampled token (all of them, and the
     last row's token, when every draft was right)."""
+    if not drafts:  # the common case: one row, its token
+        return sampled[:1]
     kept = []
     for j, token in enumerate(sampled):
         kept.append(token)
