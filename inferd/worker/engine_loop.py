@@ -56,7 +56,8 @@ class EngineLoop:
         self.faults = faults  # tests only (INFERD_FAULT): None in normal operation
         self.draining = False  # set (from any thread) when a stop was asked for: new requests are refused
         self._step_seconds_total = 0.0
-        self.stats = self._worker_stats(engine.snapshot())  # replaced (never mutated) between steps: safe to read from any thread
+        # replaced (never mutated) between steps: safe to read from any thread
+        self.stats = self._worker_stats(engine.snapshot())
         self.step_started_at: float | None = None  # time.monotonic() of the step in progress, None between steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
