@@ -36,10 +36,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from inferd.config import EngineConfig, cpu_has_native_bf16, resolve_kv_dtype  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
-from inferd.engine.runner import StepRow, kv_bytes_per_block  # noqa: E402
+from inferd.engine.runner import kv_bytes_per_block  # noqa: E402
 from inferd.models.build import build_model  # noqa: E402
 from inferd.models.loader import default_model_path, load_model_config, load_state_dict  # noqa: E402
 from inferd.models.quantize import quantize_model, weight_bytes  # noqa: E402
+from inferd.models.step_row import StepRow  # noqa: E402
 from inferd.models.tokenizer import load_tokenizer  # noqa: E402
 from inferd.telemetry.roofline import OtherLoad  # noqa: E402,F401  (bench/kv_dtype.py, prefix_cache.py import it here)
 

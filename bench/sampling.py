@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
-from inferd.engine.runner import StepRow  # noqa: E402
+from inferd.models.step_row import StepRow  # noqa: E402
 from inferd.engine.sampler import sample_row, sample_rows  # noqa: E402
 
 TEXT = ("Write a long story. " * 3 + "The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the "

@@ -51,13 +51,13 @@ SCHEMA = {
 class GrammarClock:
     """Seconds the step's own thread spends on grammars: starting the mask fills (they run on the grammar threads
     beside the forward pass), waiting for what is left of them and applying the masks, and advancing the matchers
-    (Engine._start_masks, _apply_masks, _accept_tokens). On a noisy shared host this is a steadier measure of the
+    (the engine's Grammars: start_masks, apply_masks, accept). On a noisy shared host this is a steadier measure of the
     overhead than the difference of two step times."""
 
     def __init__(self, engine: Engine):
         self.seconds = 0.0
-        for name in ("_start_masks", "_apply_masks", "_accept_tokens"):
-            setattr(engine, name, self._timed(getattr(engine, name)))
+        for name in ("start_masks", "apply_masks", "accept"):
+            setattr(engine.grammars, name, self._timed(getattr(engine.grammars, name)))
 
     def _timed(self, inner):
         def timed(*a, **k):
@@ -116,7 +116,7 @@ def main() -> int:
     t0 = time.perf_counter()
     compile_constraint(xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False), "json", json.dumps(SCHEMA))
     first_s = time.perf_counter() - t0
-    service = engine._grammar_compiler()
+    service = engine.grammars.compiler()
     service.submit("json", json.dumps(SCHEMA)).result()
     t0 = time.perf_counter()
     service.submit("json", json.dumps(SCHEMA)).result()

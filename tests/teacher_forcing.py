@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.engine.runner import StepRow
+from inferd.models.step_row import StepRow
 
 
 @dataclass

@@ -217,7 +217,7 @@ class OpenAIServing:
 
     @staticmethod
     def _check_spec(spec: tuple[str, str], param: str) -> None:
-        from ..engine.request import InvalidRequestError
+        from ..engine.errors import InvalidRequestError
         from ..engine.structured import check_spec
 
         try:

@@ -9,7 +9,7 @@ import importlib
 _WHERE = {
     "AsyncEngine": ".async_engine", "Engine": ".engine", "RequestOutput": ".engine", "KVCacheManager": ".kv_cache",
     "hash_block_tokens": ".kv_cache", "hash_prompt_blocks": ".kv_cache", "FinishReason": ".request",
-    "InvalidRequestError": ".request", "Request": ".request", "RequestStatus": ".request",
+    "InvalidRequestError": ".errors", "Request": ".request", "RequestStatus": ".request",
     "SamplingParams": ".request", "Sampler": ".sampler", "TokenLogprob": ".sampler", "uniform_draw": ".sampler",
     "Scheduler": ".scheduler", "SchedulerOutput": ".scheduler",
 }

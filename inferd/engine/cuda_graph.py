@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..models.attention import AttentionMetadata, DecodeGroup
+from ..models.step_row import StepRow
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from .runner import ModelRunner, StepRow
 
 MIN_CONTEXT_BUCKET_TOKENS = 128  # the smallest context bucket; shorter contexts are padded to it (masked)
 
@@ -50,6 +51,31 @@ def wants_decode_graphs(config: EngineConfig) -> bool:
     """CUDA graphs apply on a CUDA device in one process; the flag is ignored elsewhere. Tensor parallelism is left
     out: every rank must run the same shapes in lockstep, and only rank 0 would pad."""
     return bool(config.cuda_graphs) and torch.device(config.device).type == "cuda" and config.tensor_parallel == 1
+
+
+@dataclass(frozen=True)
+class DecodeGraphSpec:
+    """What a ModelRunner builds its DecodeGraphs from (the runner owns the model and the KV pool they run on).
+    batch_sizes / buckets (in blocks): default batch_ladder(max_batch) and context_buckets up to
+    ceil(max_model_len / block_size). A (batch, blocks) shape is kept only if batch x blocks <= max_gather_blocks
+    (default: the pool's block count): the attention of a step gathers that many blocks per layer."""
+    max_batch: int
+    max_model_len: int
+    scratch_block: int  # a block of the KV pool that no sequence ever owns (the padded rows write there)
+    capture: bool = True  # False: the same static-shape path run uncaptured (a CPU check of it: --static-decode)
+    batch_sizes: Sequence[int] | None = None
+    buckets: Sequence[int] | None = None
+    max_gather_blocks: int | None = None
+
+
+def decode_graph_spec(config: EngineConfig, num_blocks: int, max_model_len: int) -> DecodeGraphSpec | None:
+    """The engine's decode graphs for a pool of num_blocks (its last block kept back as the scratch block), or None:
+    not on this device (wants_decode_graphs) nor asked for uncaptured (static_decode), a pool of one block, or
+    batch-invariant steps (they never take the padded static path)."""
+    capture = wants_decode_graphs(config)
+    if not (capture or config.static_decode) or num_blocks < 2 or config.batch_invariant:
+        return None
+    return DecodeGraphSpec(config.max_num_seqs, max_model_len, scratch_block=num_blocks - 1, capture=capture)
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -71,36 +97,31 @@ def context_buckets(max_blocks: int, min_blocks: int = 1) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, scratch_block: int,
-                 batch_sizes: Sequence[int] | None = None, buckets: Sequence[int] | None = None,
-                 max_gather_blocks: int | None = None):
-        """scratch_block: a block of runner's KV pool that no sequence ever owns (the padded rows write there).
-        batch_sizes / buckets (in blocks): default batch_ladder(max_batch) and context_buckets up to
-        ceil(max_model_len / block_size). A (batch, blocks) shape is kept only if batch x blocks <= max_gather_blocks
-        (default: the pool's block count): the attention of a step gathers that many blocks per layer."""
-        if runner.parallel is not None:
-            raise ValueError("CUDA graphs are not used with tensor parallelism")
-        num_pool_blocks = runner.kv_caches[0][0].shape[1]
-        if not 0 <= scratch_block < num_pool_blocks:
-            raise ValueError(f"scratch block {scratch_block} is not in the KV pool ({num_pool_blocks} blocks)")
-        self.runner = runner
-        self.model = runner.model
-        self.kv_caches = runner.kv_caches  # as the runner holds them (whatever dtype they are stored in)
-        self.device = runner.device
-        self.dtype = runner.dtype  # activations: the decode mask's dtype, as in the eager path
-        self.block_size = bs = runner.block_size
-        self.scratch_block = scratch_block
-        max_blocks = -(-max_model_len // bs)
-        self.batch_sizes = sorted(batch_sizes or batch_ladder(max_batch))
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int,
+                 dtype: torch.dtype, block_size: int, spec: DecodeGraphSpec):
+        """model and kv_caches: a ModelRunner's (whatever dtype the cache is stored in); dtype: the activations'
+        (the decode mask's, as in the eager path). Nothing is captured here: capture() does (ModelRunner calls it
+        when spec.capture)."""
+        num_pool_blocks = kv_caches[0][0].shape[1]
+        if not 0 <= spec.scratch_block < num_pool_blocks:
+            raise ValueError(f"scratch block {spec.scratch_block} is not in the KV pool ({num_pool_blocks} blocks)")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        self.dtype = dtype
+        self.block_size = bs = block_size
+        self.scratch_block = spec.scratch_block
+        max_blocks = -(-spec.max_model_len // bs)
+        self.batch_sizes = sorted(spec.batch_sizes or batch_ladder(spec.max_batch))
         # a decode kernel that reads the block tables in place (kernels: Triton on CUDA, the fused CPU op) does work
         # in proportion to each row's own context, whatever the table's width: one width, the graphs keyed by batch
         # size only; the reference gathers the whole padded table, so it keeps context buckets
         self.in_place = bool(getattr(self.model, "ops", None) is not None and self.model.ops.decode_in_place)
         default_buckets = ([max_blocks] if self.in_place
                            else context_buckets(max_blocks, -(-MIN_CONTEXT_BUCKET_TOKENS // bs)))
-        self.buckets = sorted(buckets or default_buckets)
-        limit = num_pool_blocks if max_gather_blocks is None else max_gather_blocks
-        if self.in_place and max_gather_blocks is None:
+        self.buckets = sorted(spec.buckets or default_buckets)
+        limit = num_pool_blocks if spec.max_gather_blocks is None else spec.max_gather_blocks
+        if self.in_place and spec.max_gather_blocks is None:
             limit = max(self.batch_sizes) * max(self.buckets)  # nothing is gathered: every shape is kept
         self.shapes = {(b, c) for b in self.batch_sizes for c in self.buckets if b * c <= limit}
         if not self.shapes:
@@ -116,7 +137,7 @@ class DecodeGraphs:
         self._host = self._staging.numpy()
         self._copied = torch.cuda.Event() if cuda else None  # the last host-to-device copy of _staging
         self._columns = torch.arange(max(self.buckets) * bs, device=self.device)
-        self.logits = torch.zeros(m, runner.config.vocab_size, dtype=torch.float32, device=self.device)
+        self.logits = torch.zeros(m, vocab_size, dtype=torch.float32, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory reserved by capturing (the graphs' pool)

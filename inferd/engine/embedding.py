@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -30,9 +30,10 @@ import torch
 from ..models.embedding_models import embedding_model_name, is_decoder_model, resolve_embedding_model
 from ..models.encoder import EncoderEmbedder
 from ..models.pooling import PoolingConfig, pool, resolve_pooling
-from .engine import RequestOutput, StepStats
-from .kv_cache import PrefixCacheStats
-from .request import InvalidRequestError
+from .engine import StepStats
+from .errors import InvalidRequestError
+from .outputs import RequestOutput
+from .protocol import EngineInfo, EngineSnapshot, ScheduleHook
 
 
 class DecoderEmbedder:
@@ -64,7 +65,7 @@ class DecoderEmbedder:
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> torch.Tensor:
-        from .runner import StepRow
+        from ..models.step_row import StepRow
 
         # one-token inputs first: the runner takes them as decode rows, which come before the prefill chunks
         order = sorted(range(len(batch)), key=lambda i: len(batch[i]))
@@ -93,29 +94,6 @@ class EmbedRequest:
     arrival_seq: int = 0
 
 
-@dataclass
-class _Queues:
-    waiting: list = field(default_factory=list)
-    running: list = field(default_factory=list)
-    num_preemptions: int = 0
-
-    def has_work(self) -> bool:
-        return bool(self.waiting)
-
-
-class _NominalKV:
-    """Embeddings keep no KV cache: a pool that is never short, reported as such."""
-
-    def __init__(self, block_size: int, num_blocks: int):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.num_free_blocks = num_blocks
-        self.stats = PrefixCacheStats()
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-
 class EmbedEngine:
     task = "embed"
 
@@ -128,9 +106,9 @@ class EmbedEngine:
                                             max_position_embeddings=embedder.max_len)
         self.eos_token_ids = frozenset()
         self.dtype = embedder.dtype
-        self.scheduler = _Queues()
-        self.kv_cache = _NominalKV(config.block_size, max(1, config.max_num_seqs * -(-self.max_model_len //
-                                                                                        config.block_size)))
+        self.waiting: list[EmbedRequest] = []
+        # no KV cache is kept: reported as a pool that is never short
+        self.num_kv_blocks = max(1, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         self.requests: dict[str, EmbedRequest] = {}
         self.stats = StepStats()
         self.max_wait_s = max_wait_s
@@ -157,15 +135,15 @@ class EmbedEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = EmbedRequest(request_id, ids, time.monotonic(), next(self._arrivals))
         self.requests[request_id] = req
-        self.scheduler.waiting.append(req)
+        self.waiting.append(req)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        if req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
         self._pending.append(RequestOutput(request_id, [], finished=True, finish_reason="abort",
                                            num_prompt_tokens=len(req.token_ids)))
         return True
@@ -178,11 +156,39 @@ class EmbedEngine:
         return []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.waiting)
+        return bool(self.waiting)
+
+    # ---- the worker's view (EngineProtocol, protocol.py) -----------------------------------------------------
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def failed_step_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.waiting]
+
+    def on_schedule(self, hook: ScheduleHook | None) -> None:
+        """Embedding requests sample nothing (have no seed): the hook is never called."""
+
+    def close(self) -> None:
+        pass
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.max_model_len, self.embedder.vocab_size, self.eos_token_ids, self.num_kv_blocks,
+                          self.config.block_size, task=self.task, embedding_dim=self.embedder.dim,
+                          served_name=self.served_name)
+
+    def snapshot(self) -> EngineSnapshot:
+        _, prefill, decode, nbytes, flops = self.stats.last
+        return EngineSnapshot(waiting=len(self.waiting), kv_blocks_free=self.num_kv_blocks,
+                              kv_num_blocks=self.num_kv_blocks, num_steps=self.stats.num_steps,
+                              busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,
+                              last_decode_tokens=decode, last_bytes=nbytes, last_flops=flops)
 
     # ---- the step -------------------------------------------------------------------------------------------
     def _ready(self) -> bool:
-        waiting = self.scheduler.waiting
+        waiting = self.waiting
         if not waiting:
             return False
         if time.monotonic() - waiting[0].arrived >= self.max_wait_s:
@@ -200,7 +206,7 @@ class EmbedEngine:
         from .runner import split_by_length
 
         t0 = time.perf_counter()
-        waiting = self.scheduler.waiting
+        waiting = self.waiting
         chosen, tokens = [], 0
         for req in list(waiting):  # oldest first: the oldest always runs
             cost = len(req.token_ids)
@@ -231,7 +237,7 @@ class EmbedEngine:
 
     @classmethod
     def from_config(cls, config, max_wait_s: float, max_batch_tokens: int, pooling: str = "auto",
-                    normalize: str = "auto") -> "EmbedEngine":
+                    normalize: str = "auto") -> EmbedEngine:
         """ValueError for a pooling the model cannot take."""
         from ..config import resolve_dtype
 

@@ -1,37 +1,47 @@
-"""Engine: the step loop. schedule -> run the model -> sample -> update requests and emit per-step outputs."""
+"""Engine: the step loop, in the stages of vLLM v1's and nano-vllm's:
+
+  schedule            grammars that finished compiling join the line, speculative drafts are proposed for the sequences
+                      about to decode (speculative.py), and the scheduler picks the step's batch (scheduler.py);
+  execute             the forward pass (runner.py), with the constrained rows' grammar masks filled beside it
+                      (grammars.py);
+  sample              logit processors (logits_processors.py), the grammar masks, the seeded draw (sampler.py), the
+                      drafts each request keeps (speculative.accept_drafts) and its matcher's advance by them;
+  update_from_output  the one place a step changes its requests: tokens appended, KV counted and cached, stop checks,
+                      requests finished (or failed), the step's stats; the outputs.
+
+The engine implements EngineProtocol (protocol.py), what a worker drives.
+"""
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import itertools
 import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..config import (GRAMMAR_MASK_THREADS, MAX_NUM_DRAFT, SPECULATIVE_METHODS, EngineConfig, resolve_dtype,
-                      resolve_kv_dtype)
 from .. import kernels
+from ..config import EngineConfig, resolve_dtype, resolve_kv_dtype
 from ..models import batch_invariant
 from ..models.config import ModelConfig
-from .kv_cache import KVCacheManager
-from .request import FinishReason, InvalidRequestError, Request, SamplingParams, validate_request
-from .cuda_graph import DecodeGraphs, wants_decode_graphs
-from .memory import resolve_kv_cache_bytes
-from .runner import ModelRunner, kv_bytes_per_block
-from .outputs import RequestOutput
-from .sampler import PenaltyState, Sampler, TokenLogprob, apply_penalties_batch
 from ..telemetry.roofline import model_cost
-from .scheduler import Scheduler
-from .speculative import NgramIndex, propose_ngram
-from .grammar_budget import GrammarTooSlow, GrammarWork, Job
-from .grammar_compile import GrammarCompileService
-from .structured import Constraint, allocate_bitmask, apply_bitmask
+from .cuda_graph import decode_graph_spec
+from .errors import InvalidRequestError
+from .grammars import Failure, Grammars, Masks, check_grammar_budgets
+from .kv_cache import KVCacheManager
+from .logits_processors import apply_logit_bias, apply_penalties_and_min_tokens
+from .memory import resolve_kv_cache_bytes
+from .outputs import RequestOutput, TokenLogprob
+from .protocol import EngineInfo, EngineSnapshot, ScheduleHook
+from .request import FinishReason, Request, SamplingParams, validate_request
+from .runner import ModelRunner, kv_bytes_per_block
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
+from .speculative import NgramProposer, accept_drafts, check_speculative
 
 log = logging.getLogger("inferd.engine")
 GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a grammar being compiled before it returns
@@ -55,12 +65,30 @@ class StepStats:
     last_spec: tuple[int, int] = (0, 0)  # the last step's draft tokens verified, and accepted
 
 
-class _Masks(NamedTuple):
-    """A step's mask fills, started before its forward pass (Engine._start_masks)."""
-    bitmask: torch.Tensor
-    jobs: list[Job]
-    submitted: float  # time.monotonic() when the jobs were submitted
-    spent: dict[str, float]  # request id -> CPU seconds its fill took (what its accept may still use of the step)
+class SamplingRequest(NamedTuple):
+    """A request that samples this step: its rows of the step's logits (the last token's, and one per draft)."""
+    request: Request
+    drafts: list[int]  # the drafts its rows verify
+    num_rows: int
+
+
+class Sampled(NamedTuple):
+    """What the sample stage made of one request's rows."""
+    request: Request
+    drafts: list[int]
+    tokens: list[int]  # the tokens it keeps: accepted drafts, then the first sampled token that differs
+    first_row: int  # its first row of the step's logits (logprobs and raw logits of its kept tokens from here)
+
+
+@dataclass
+class SampleOutput:
+    """The sample stage's result, for update_from_output."""
+    requests: list[Sampled]
+    logprobs: list[TokenLogprob | None]  # per row
+    raw_logits: torch.Tensor  # per row, the model's (before logit_bias, masks and penalties)
+    num_rows: int
+    grammar: dict[str, list[tuple[bool, bool]]]  # per constrained request: (accepted, grammar complete) per token
+    failed: list[Failure]  # requests whose grammar work ran out of time this step: they end, their rows dropped
 
 
 def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -82,29 +110,6 @@ def check_batch_invariant(config: EngineConfig) -> None:
     if not config.device.startswith("cpu"):
         raise ValueError(f"--batch-invariant is verified on CPUs only, not on {config.device!r} (GPU libraries pick "
                          "their matmul kernels, split-K among them, by the batched matmuls' batch count)")
-
-
-def check_grammar_budgets(config: EngineConfig) -> None:
-    """ValueError for structured outputs' budgets that cannot work (before anything loads)."""
-    budgets = (config.grammar_mask_budget_ms, config.grammar_mask_budget_s, config.grammar_compile_timeout_s)
-    if not all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in budgets):
-        raise ValueError(f"the grammar budgets must be > 0, got {budgets}")
-    if not (isinstance(config.grammar_compile_processes, int) and config.grammar_compile_processes >= 1):
-        raise ValueError(f"grammar_compile_processes must be at least 1, got {config.grammar_compile_processes!r}")
-
-
-def check_speculative(config: EngineConfig) -> None:
-    """ValueError for speculative settings that can't run (before anything loads)."""
-    if config.speculative is None:
-        return
-    if config.speculative not in SPECULATIVE_METHODS:
-        raise ValueError(f"unknown speculative method {config.speculative!r} (choose {', '.join(SPECULATIVE_METHODS)})")
-    if not 1 <= config.num_draft <= MAX_NUM_DRAFT:
-        raise ValueError(f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {config.num_draft}")
-    if not 1 <= config.ngram_min <= config.ngram_max:
-        raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {config.ngram_min} and {config.ngram_max}")
-    if config.speculative_max_batch < 1:
-        raise ValueError(f"speculative_max_batch must be at least 1, got {config.speculative_max_batch}")
 
 
 class Engine:
@@ -136,19 +141,16 @@ class Engine:
             raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
-        static = config.static_decode and num_blocks > 1  # the same path uncaptured (a CPU check of it)
-        # batch-invariant steps never take the graphs' padded static path
-        decode_graphs = (wants_decode_graphs(config) or static) and num_blocks > 1 and not config.batch_invariant
-        self.kv_cache = KVCacheManager(num_blocks - decode_graphs, config.block_size, config.enable_prefix_caching)
+        graphs = decode_graph_spec(config, num_blocks, self.max_model_len)
+        self.kv_cache = KVCacheManager(num_blocks - (graphs is not None), config.block_size,
+                                       config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
-                                  config.tensor_parallel, parallel, kv_dtype=self.kv_dtype)
-        if decode_graphs:
-            graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, scratch_block=num_blocks - 1)
-            self.runner.decode_graphs = graphs if static and not wants_decode_graphs(config) else graphs.capture()
         # set either way: the mode lives in the model's layers, and a model may be handed to another engine
         batch_invariant.enable(model, config.batch_invariant)
-        self.runner.batch_invariant = config.batch_invariant
+        self.parallel = parallel
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
+                                  config.tensor_parallel, parallel, kv_dtype=self.kv_dtype, decode_graphs=graphs,
+                                  batch_invariant=config.batch_invariant)
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
@@ -157,18 +159,18 @@ class Engine:
         self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        self._grammars: GrammarCompileService | None = None  # built with the first constrained request
-        self._grammar_work: GrammarWork | None = None  # ... and the threads of its masks and accepts
-        self._awaiting_grammar: list[Request] = []  # constrained requests whose grammar is being compiled
-        self._replays: dict[str, Job] = {}  # request id -> the replay of its earlier tokens through its matcher
         # (request id, why, error code or None) of requests the engine stopped on an error
         self._failed: list[tuple[str, str, str | None]] = []
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:
             eos.update(tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(config, tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self.proposer = NgramProposer(config, self.max_model_len) if config.speculative else None
         self.stats = StepStats()
-        self.last_schedule = None  # the most recent step's SchedulerOutput (tests, metrics)
+        self.last_schedule: SchedulerOutput | None = None  # the most recent step's (tests, benchmarks)
+        self._in_step: SchedulerOutput | None = None  # the schedule of a step that has not returned (it raised)
+        self._on_schedule: ScheduleHook | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None) -> "Engine":
@@ -204,11 +206,9 @@ class Engine:
     def close(self) -> None:
         """Ends the other tensor-parallel ranks (their processes exit); idempotent, a no-op for one process.
         The engine cannot step after it."""
-        if self.runner.parallel is not None:
-            self.runner.parallel.close()
-        if self._grammars is not None:
-            self._grammars.close()
-            self._grammar_work.close()
+        if self.parallel is not None:
+            self.parallel.close()
+        self.grammars.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None
@@ -245,71 +245,13 @@ class Engine:
             self._text[request_id] = TextWithStops(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
                                                   params.stop)
         if params.constrained:  # compiled off this thread; scheduled once its grammar is ready
-            req.grammar_future = self._grammar_compiler().submit(*params.structured)
-            self._awaiting_grammar.append(req)
+            self.grammars.submit(req)
         else:
             self.scheduler.add(req)
         return request_id
 
-    def _grammar_compiler(self) -> GrammarCompileService:
-        if self._grammars is None:
-            cfg = self.config
-            self._grammars = GrammarCompileService(self.tokenizer.hf, self.model_config.vocab_size,
-                                                   sorted(self.eos_token_ids), cfg.grammar_compile_processes,
-                                                   cfg.grammar_compile_timeout_s)
-            self._grammar_work = GrammarWork(GRAMMAR_MASK_THREADS)
-        return self._grammars
-
-    def _admit_compiled(self) -> None:
-        """Constrained requests whose grammar has compiled join the scheduler (a replay's matcher first accepts
-        the tokens generated before it, on a grammar thread, within the request's whole budget); a compile that
-        failed or ran out of time fails its request."""
-        still = []
-        for req in self._awaiting_grammar:
-            future = req.grammar_future
-            replay = self._replays.get(req.request_id)
-            if not future.done():
-                if replay is not None and replay.clock is not None and replay.cpu_used() > replay.budget_s:
-                    self._replays.pop(req.request_id)  # its thread finishes alone
-                    req.grammar_seconds += replay.cpu_used()
-                    self._fail(req, self._too_slow_message(req, "replaying its earlier tokens"), GrammarTooSlow.code)
-                else:
-                    still.append(req)
-                continue
-            req.grammar_future = None
-            try:
-                if req.constraint is None:  # its compile
-                    constraint = Constraint(future.result())
-                    if req.output_token_ids:  # a replay
-                        req.constraint = constraint
-                        self._replay_grammar(req)
-                        still.append(req)
-                        continue
-                    req.constraint = constraint
-                else:  # the replay of its earlier tokens
-                    ok = future.result()
-                    req.grammar_seconds += self._replays.pop(req.request_id).seconds
-                    if not ok:
-                        raise ValueError("the tokens generated before the replay do not follow the grammar")
-            except GrammarTooSlow as e:
-                self._fail(req, str(e), GrammarTooSlow.code)
-                continue
-            except Exception as e:
-                self._fail(req, f"the request's grammar could not be used: {e}")
-                continue
-            self.scheduler.add(req)
-        self._awaiting_grammar = still
-
-    def _replay_grammar(self, req: Request) -> None:
-        """A replay's new matcher takes the tokens generated before, on a grammar thread, within the request's
-        whole budget (checked by _admit_compiled)."""
-        job = Job(req, functools.partial(req.constraint.advance, req.output_token_ids),
-                  self.config.grammar_mask_budget_s)
-        self._grammar_work.start([job])
-        self._replays[req.request_id] = job
-        req.grammar_future = job.future
-
     def _fail(self, req: Request, why: str, code: str | None = None) -> None:
+        """Ends a request on an error of its own (its grammar): no output of its follows (take_failed)."""
         log.warning("request %s failed: %s", req.request_id, why)
         self.scheduler.finish(req, FinishReason.ABORT)
         self._forget(req)
@@ -327,10 +269,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        if req in self._awaiting_grammar:
-            self._awaiting_grammar.remove(req)
-            self._replays.pop(request_id, None)
-            self._grammars.cancel(req.grammar_future)  # its compile stops unless another request waits for it
+        self.grammars.cancel(req)  # when it waits for its grammar: its compile stops unless another request waits
         self.scheduler.finish(req, FinishReason.ABORT)
         self._pending_outputs.append(self._final_output(req, []))
         self._forget(req)
@@ -342,7 +281,7 @@ class Engine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._awaiting_grammar)
+        return self.scheduler.has_work() or bool(self.grammars.awaiting)
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -354,80 +293,153 @@ class Engine:
                              req.finish_reason.value if req.finish_reason else None, req.stop_reason,
                              req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, logprobs or [])
 
-    # ---- the step -------------------------------------------------------------------------------------------
+    # ---- the worker's view (EngineProtocol, protocol.py) -----------------------------------------------------
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.grammars.awaiting)
+
+    def failed_step_request_ids(self) -> list[str]:
+        sched, self._in_step = self._in_step, None
+        if sched is not None:
+            return [s.request.request_id for s in sched.scheduled]
+        # it failed before scheduling: the step would have run the running requests, or else admitted waiters
+        return [r.request_id for r in self.scheduler.running or self.scheduler.waiting]
+
+    def on_schedule(self, hook: ScheduleHook | None) -> None:
+        self._on_schedule = hook
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.eos_token_ids,
+                          self.kv_cache.num_blocks, self.kv_cache.block_size)
+
+    def snapshot(self) -> EngineSnapshot:
+        kv, scheduler, stats = self.kv_cache, self.scheduler, self.stats
+        free = kv.num_free_blocks
+        _, prefill, decode, nbytes, flops = stats.last
+        return EngineSnapshot(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                              kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
+                              prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
+                              num_preemptions=scheduler.num_preemptions, num_steps=stats.num_steps,
+                              busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,
+                              last_decode_tokens=decode, last_bytes=nbytes, last_flops=flops,
+                              last_draft_tokens=stats.last_spec[0], last_accepted_tokens=stats.last_spec[1])
+
+    # ---- the step: schedule -> execute -> sample -> update_from_output ----------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
-        if self._awaiting_grammar:
-            self._admit_compiled()
-        if self.config.speculative:
-            self._propose_drafts()
-        sched = self.last_schedule = self.scheduler.schedule()
+        self._in_step = None
+        sched = self._in_step = self.last_schedule = self.schedule()
         if not sched:
-            if self._awaiting_grammar:  # nothing else to run: wait a little for a compile rather than spin
-                concurrent.futures.wait([r.grammar_future for r in self._awaiting_grammar], timeout=GRAMMAR_POLL_S,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            if self.grammars.awaiting:  # nothing else to run: wait a little for a compile rather than spin
+                self.grammars.wait_for_compile(GRAMMAR_POLL_S)
+            self._in_step = None
             return outputs
-        t0 = time.perf_counter()
-        drafted_before, accepted_before = self.stats.spec_drafted, self.stats.spec_accepted
+        started = time.perf_counter()
+        if self._on_schedule is not None:
+            self._on_schedule([s.request.params.seed for s in sched.scheduled])
         # (request, draft tokens, logits rows) of every request that samples, read before num_computed_tokens moves
-        samplers = [(s.request, s.request.draft_token_ids[:s.num_draft], s.num_logits)
+        samplers = [SamplingRequest(s.request, s.request.draft_token_ids[:s.num_draft], s.num_logits)
                     for s in sched.scheduled if s.samples]
-        # the grammar masks are filled on their threads while the model runs (nothing to do without a grammar)
-        masks = self._start_masks(samplers) if self._grammars is not None else None
-        logits = self.runner.execute(sched)
-        # one logits row per sampled position: a request verifying k drafts has k + 1 of them, at positions
-        # num_tokens .. num_tokens + k (the sampler's draw depends on the position, never on the batch)
+        masks, logits = self.execute(sched, samplers)
+        sampled = self.sample(samplers, logits, masks)
+        outputs += self.update_from_output(sched, sampled, started)
+        self._in_step = None
+        return outputs
+
+    def schedule(self) -> SchedulerOutput:
+        """Requests whose grammar is ready join the line (those whose compile failed end), the sequences about to
+        decode get their drafts, and the scheduler picks the step's batch."""
+        if self.grammars.awaiting:
+            ready, failed = self.grammars.take_compiled()
+            for failure in failed:
+                self._fail(*failure)
+            for req in ready:
+                self.scheduler.add(req)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput, samplers: list[SamplingRequest]
+                ) -> tuple[Masks | None, torch.Tensor]:
+        """The forward pass: float32 logits, one row per sampled position (a request verifying k drafts has k + 1,
+        at positions num_tokens .. num_tokens + k). The constrained rows' masks are filled on the grammar threads
+        meanwhile (None when no row has a grammar)."""
+        masks = self.grammars.start_masks(samplers)
+        return masks, self.runner.execute(sched)
+
+    def sample(self, samplers: list[SamplingRequest], logits: torch.Tensor, masks: Masks | None) -> SampleOutput:
+        """logit_bias, the grammar masks, penalties and min_tokens, then the draw (a function of the request's seed
+        and the position, never of the batch); each request keeps its accepted drafts and the token after them, and
+        its matcher (if any) takes those. Changes no request's tokens: update_from_output does."""
         row_reqs = [r for r, _, n in samplers for _ in range(n)]
         positions = [r.num_tokens + j for r, _, n in samplers for j in range(n)]
-        self._bias(logits, samplers)
-        if masks is not None:
-            self._apply_masks(logits, masks)
-        raw_logits = self._process_logits(logits, row_reqs)
+        apply_logit_bias(logits, row_reqs)
+        failed = self.grammars.apply_masks(logits, masks) if masks is not None else []
+        raw_logits = apply_penalties_and_min_tokens(logits, row_reqs, self.eos_token_ids)
         tokens, logprobs = self.sampler.sample(logits, [r.params for r in row_reqs],
                                                [r.params.seed for r in row_reqs], positions, raw_logits)
-        # the constrained rows' matchers take the sampled tokens (on the grammar threads, within their budgets)
-        accepted = self._accept_tokens(samplers, tokens, masks.spent) if masks is not None else None
+        sampled, row = [], 0
+        for req, drafts, n in samplers:
+            sampled.append(Sampled(req, drafts, accept_drafts(tokens[row:row + n], drafts), row))
+            row += n
+        grammar: dict[str, list[tuple[bool, bool]]] = {}
+        if masks is not None:  # the constrained rows' matchers take the kept tokens (grammar threads, within budgets)
+            dropped = {f.request.request_id for f in failed}
+            accepted = self.grammars.accept([(s.request, s.tokens, len(s.drafts) + 1) for s in sampled
+                                             if s.request.constraint is not None
+                                             and s.request.request_id not in dropped], masks.spent)
+            grammar = accepted.results
+            failed += accepted.failed
+        return SampleOutput(sampled, logprobs, raw_logits, len(row_reqs), grammar, failed)
+
+    def update_from_output(self, sched: SchedulerOutput, out: SampleOutput, started: float) -> list[RequestOutput]:
+        """The one place a step changes its requests: KV computed, tokens appended (drafts accepted), grammars and
+        stop conditions checked, requests finished or failed, full blocks cached; then the step's stats. Returns
+        the step's outputs, one per request that sampled."""
+        for failure in out.failed:  # their grammar work ran out of time: they end, their rows are dropped
+            self._fail(*failure)
         stats = self.stats
+        drafted_before, accepted_before = stats.spec_drafted, stats.spec_accepted
         stats.num_steps += 1
         stats.num_tokens += sched.num_tokens
         queries = [s.num_tokens for s in sched.scheduled]
         contexts = [s.request.num_computed_tokens + s.num_tokens for s in sched.scheduled]
-        step_bytes, step_flops = self.cost.step(queries, contexts, len(row_reqs))
+        step_bytes, step_flops = self.cost.step(queries, contexts, out.num_rows)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
-        row = 0
-        for req, drafts, num_logits in samplers:
-            if accepted is not None and req.is_finished:  # its grammar ran out of time (failed above): rows dropped
-                row += num_logits
+        outputs = []
+        for req, drafts, tokens, first_row in out.requests:
+            if out.failed and req.is_finished:  # failed above: its rows are dropped
                 continue
-            out = None
-            for j in range(num_logits):
-                token = tokens[row + j]
+            verdicts = out.grammar.get(req.request_id)
+            merged = None
+            for j, token in enumerate(tokens):
                 if req.debug_logits is not None:
-                    req.debug_logits.append(raw_logits[row + j].clone())
+                    req.debug_logits.append(out.raw_logits[first_row + j].clone())
                 req.token_ids.append(token)
                 stats.num_sampled += 1
                 grammar_done = False
                 if req.constraint is not None:
-                    ok, grammar_done = accepted[req.request_id][j]
+                    ok, grammar_done = verdicts[j]
                     if not ok:
                         self._fail(req, f"the sampled token {token} does not follow the request's grammar")
                         break
-                step_out = self._after_token(req, token, logprobs[row + j], grammar_done)
-                out = step_out if out is None else _merge_outputs(out, step_out)
-                if req.is_finished or j == len(drafts) or token != drafts[j]:
+                step_out = self._after_token(req, token, out.logprobs[first_row + j], grammar_done)
+                merged = step_out if merged is None else _merge_outputs(merged, step_out)
+                if req.is_finished or j == len(tokens) - 1:
                     break
                 req.num_computed_tokens += 1  # draft j was right: its KV, written this step, is valid
                 stats.spec_accepted += 1
             stats.spec_drafted += len(drafts)
             req.draft_token_ids = []
-            row += num_logits
-            if out is not None:
-                outputs.append(out)
+            if merged is not None:
+                outputs.append(merged)
         for s in sched.scheduled:
             if not s.request.is_finished:
                 self.kv_cache.cache_full_blocks(s.request)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - started
         stats.seconds += seconds
         stats.bytes_read += step_bytes
         stats.flops += step_flops
@@ -435,146 +447,6 @@ class Engine:
         stats.last = (seconds, sched.num_tokens - decodes, decodes, step_bytes, step_flops)
         stats.last_spec = (stats.spec_drafted - drafted_before, stats.spec_accepted - accepted_before)
         return outputs
-
-    def _propose_drafts(self) -> None:
-        """Prompt-lookup drafts for the running sequences about to decode. None for a request whose logits are
-        changed by what it generated (penalties, min_tokens still blocking EOS: its draft rows would need the drafts
-        as outputs), nor in a step with more decoding sequences than speculative_max_batch."""
-        cfg = self.config
-        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
-        if len(decoding) > cfg.speculative_max_batch:
-            for r in decoding:
-                r.draft_token_ids = []
-            return
-        for r in decoding:
-            room = min(cfg.num_draft, r.params.max_tokens - r.num_output_tokens - 1,
-                       self.max_model_len - r.num_tokens - 1)
-            if room < 1 or r.params.has_penalties or r.num_output_tokens < r.params.min_tokens:
-                r.draft_token_ids = []
-                continue
-            if r.spec_state is None:
-                r.spec_state = NgramIndex()
-            r.draft_token_ids = propose_ngram(r.token_ids, r.spec_state, room, cfg.ngram_min, cfg.ngram_max)
-
-    @torch.inference_mode()
-    def _bias(self, logits: torch.Tensor, samplers: list[tuple[Request, list[int], int]]) -> None:
-        """logit_bias, in place (before the grammar masks, penalties, logprobs and the draw)."""
-        bias_rows, bias_cols, bias_vals = [], [], []
-        row = 0
-        for req, drafts, n in samplers:
-            if req.params.logit_bias:
-                for j in range(n):
-                    for token, bias in req.params.logit_bias:
-                        bias_rows.append(row + j)
-                        bias_cols.append(token)
-                        bias_vals.append(float(bias))
-            row += n
-        if bias_rows:
-            dev = logits.device
-            logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
-                              torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
-
-    # ---- grammars in the step (grammar_budget.py) -----------------------------------------------------------
-    def _start_masks(self, samplers: list[tuple[Request, list[int], int]]) -> _Masks | None:
-        """Starts the fills of the constrained rows' masks on the grammar threads (the forward pass runs meanwhile);
-        None when no row has a grammar. A request verifying k drafts has k + 1 rows: row j's mask is its grammar's
-        after drafts[:j] (accepted on the matcher for the fill, then rolled back), so drafts that break the grammar
-        are rejected and the output is the one the request would have had without drafts."""
-        jobs = []
-        rows = 0
-        for req, drafts, n in samplers:
-            if req.constraint is not None:
-                jobs.append(Job(req, functools.partial(_fill_rows, req.constraint, rows, drafts[:n - 1]),
-                                n * self.config.grammar_mask_budget_ms / 1000))
-            rows += n
-        if not jobs:
-            return None
-        bitmask = allocate_bitmask(rows, self.model_config.vocab_size)  # row r of the bitmask masks logits row r
-        for job in jobs:
-            job.fn = functools.partial(job.fn, bitmask)
-        return _Masks(bitmask, jobs, self._grammar_work.start(jobs), {})
-
-    @torch.inference_mode()
-    def _apply_masks(self, logits: torch.Tensor, masks: _Masks) -> None:
-        """Waits for the fills (each within its request's budget) and applies the masks; a request whose fill ran
-        out of time ends with grammar_too_slow (its rows are left unmasked and dropped)."""
-        self._grammar_work.wait(masks.jobs, masks.submitted)
-        masked: list[int] = []
-        for job in masks.jobs:
-            masks.spent[job.owner.request_id] = job.seconds
-            if self._within_budget(job, "filling its token mask"):
-                masked.extend(job.result)
-        apply_bitmask(logits, masks.bitmask, masked)
-
-    def _accept_tokens(self, samplers: list[tuple[Request, list[int], int]], tokens: list[int],
-                       spent: dict[str, float]) -> dict[str, list[tuple[bool, bool]]]:
-        """Each constrained request's sampled tokens through its matcher, in parallel, each within what its budget of
-        the step has left after its fill: request id -> [(accepted, grammar complete)] per token taken."""
-        jobs = []
-        row = 0
-        step_budget_s = self.config.grammar_mask_budget_ms / 1000
-        for req, drafts, n in samplers:
-            if req.constraint is not None and not req.is_finished:
-                budget = max(n * step_budget_s - spent.get(req.request_id, 0.0), 0.0)
-                jobs.append(Job(req, functools.partial(_accept_rows, req.constraint, tokens[row:row + n], drafts),
-                                budget))
-            row += n
-        self._grammar_work.wait(jobs, self._grammar_work.start(jobs))
-        return {job.owner.request_id: job.result for job in jobs
-                if self._within_budget(job, "accepting its sampled token", spent.get(job.owner.request_id, 0.0))}
-
-    def _within_budget(self, job: Job, what: str, before: float = 0.0) -> bool:
-        """Charges the job's seconds to its request; False (and the request failed with grammar_too_slow) when it
-        ran past its budget of the step, or the request's grammar work past its whole budget."""
-        req = job.owner
-        req.grammar_seconds += job.seconds
-        if job.too_slow or job.seconds > job.budget_s:
-            step_ms = (before + job.seconds) * 1000
-            self._fail(req, self._too_slow_message(req, what, step_ms), GrammarTooSlow.code)
-            return False
-        if req.grammar_seconds > self.config.grammar_mask_budget_s:
-            self._fail(req, self._too_slow_message(req, what), GrammarTooSlow.code)
-            return False
-        return True
-
-    def _too_slow_message(self, req: Request, what: str, step_ms: float | None = None) -> str:
-        cfg = self.config
-        if step_ms is not None:
-            spent = (f"{step_ms:.0f} ms in one step, over its budget of {cfg.grammar_mask_budget_ms:g} ms per token "
-                     "(GRAMMAR_MASK_BUDGET_MS_PER_STEP, --grammar-mask-budget-ms)")
-        else:
-            spent = (f"{req.grammar_seconds:.2f} s in all, over its budget of {cfg.grammar_mask_budget_s:g} s "
-                     "(GRAMMAR_MASK_BUDGET_S, --grammar-mask-budget-s)")
-        return (f"the request's grammar is too slow: {what} took {spent} after {req.num_output_tokens} tokens; "
-                "use a less ambiguous grammar")
-
-    @torch.inference_mode()
-    def _process_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Penalties and min_tokens, in place on the rows that ask for them. Returns the raw logits (a copy when
-        any row changed): logprobs and recorded logits are those of the model, as in vLLM."""
-        # min_tokens does not apply to constrained rows: their grammar decides where the output may end
-        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties
-                or (r.num_output_tokens < r.params.min_tokens and r.constraint is None)]
-        if not rows:
-            return logits
-        raw = logits.clone()
-        penalised = [i for i in rows if reqs[i].params.has_penalties]
-        if penalised:  # batched, from each request's state on the device (brought up to date, not rebuilt)
-            states = []
-            for i in penalised:
-                req = reqs[i]
-                if req.penalty_state is None:
-                    req.penalty_state = PenaltyState(logits.shape[1], logits.device)
-                req.penalty_state.update(req.token_ids, req.num_prompt_tokens)
-                states.append(req.penalty_state)
-            apply_penalties_batch(logits, penalised, states, [reqs[i].params for i in penalised])
-        for i in rows:
-            req = reqs[i]
-            if req.num_output_tokens < req.params.min_tokens and req.constraint is None:
-                blocked = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(self.eos_token_ids))
-                if blocked:
-                    logits[i, blocked] = float("-inf")
-        return raw
 
     def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None,
                      grammar_done: bool = False) -> RequestOutput:
@@ -610,34 +482,3 @@ class Engine:
         return [done[i] for i in ids]
 
 
-def _fill_rows(constraint: Constraint, first: int, drafts: list[int], bitmask: torch.Tensor) -> list[int]:
-    """Fills bitmask row `first` from the matcher, and row first + j + 1 after drafts[:j + 1] (rolled back after);
-    returns the rows filled. Runs on a grammar thread."""
-    constraint.fill(bitmask, first)
-    rows = [first]
-    accepted = 0
-    for j, token in enumerate(drafts):  # row first + j + 1 follows drafts[:j + 1]
-        if not constraint.accept(token):
-            break  # row first + j cannot sample this draft: the rows after it are never used
-        accepted += 1
-        if constraint.terminated:
-            break
-        constraint.fill(bitmask, first + j + 1)
-        rows.append(first + j + 1)
-    constraint.rollback(accepted)
-    return rows
-
-
-def _accept_rows(constraint: Constraint, tokens: list[int], drafts: list[int]) -> list[tuple[bool, bool]]:
-    """The matcher takes a request's sampled tokens as the step will keep them: token j + 1 only when token j was
-    draft j (then draft j's row was right). [(accepted, grammar complete)] per token taken. Runs on a grammar
-    thread; tokens past where the request ends for another reason (length, a stop string) change nothing, since it
-    ends."""
-    out = []
-    for j, token in enumerate(tokens):
-        ok = constraint.accept(token)
-        done = ok and constraint.terminated
-        out.append((ok, done))
-        if not ok or done or j == len(drafts) or token != drafts[j]:
-            break
-    return out

@@ -7,13 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS_ENTRIES
-
+from .errors import InvalidRequestError
+from .structured import check_spec
 
 GREEDY_TEMPERATURE = 1e-5
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before scheduling it (bad parameters, too long, larger than the pool)."""
 
 
 @dataclass
@@ -75,8 +72,6 @@ class SamplingParams:
         if self.structured is not None:
             if not (isinstance(self.structured, (list, tuple)) and len(self.structured) == 2):
                 raise InvalidRequestError("structured must be [kind, text]")
-            from .structured import check_spec
-
             check_spec(self.structured[0], self.structured[1])
 
     @property

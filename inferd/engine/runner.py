@@ -1,9 +1,11 @@
-"""ModelRunner: owns the model and the KV cache tensors; turns a scheduled batch into tensors and runs it."""
+"""ModelRunner: owns the model and the KV cache tensors; turns a scheduled batch into tensors and runs it. Its
+collaborators come in when it is built: the other tensor-parallel ranks (a StepPeers), the CUDA-graph decode path
+(a DecodeGraphSpec it builds and captures), batch-invariant attention."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Protocol
 
 import torch
 
@@ -11,19 +13,16 @@ from ..kernels import REFERENCE as REFERENCE_OPS
 from ..models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, build_decode_mask
 from ..models.batch_invariant import build_groups
 from ..models.config import ModelConfig
+from ..models.step_row import StepRow
+from .cuda_graph import DecodeGraphs, DecodeGraphSpec
 from .scheduler import SchedulerOutput
 
-if TYPE_CHECKING:
-    from .tensor_parallel import TensorParallelGroup
-    from .cuda_graph import DecodeGraphs
 
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks as rank 0's runner sees them (tensor_parallel.TensorParallelGroup): each
+    step's rows are sent to them before the step runs here, and they run it beside this one."""
 
-class StepRow(NamedTuple):
-    """One sequence's share of a step: all the runner needs, and all that a tensor-parallel rank is sent."""
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # the position of the first of them
-    block_ids: list[int]  # the sequence's block table (at least the blocks up to start + len(token_ids))
-    samples: int  # how many of its last rows give logits: 0, 1, or 1 + the speculative drafts it verifies
+    def send_step(self, rows: list[StepRow]) -> None: ...
 
 
 def step_rows(sched: SchedulerOutput) -> list[StepRow]:
@@ -79,14 +78,18 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", tensor_parallel: int = 1,
-                 parallel: TensorParallelGroup | None = None, kv_dtype: torch.dtype | None = None):
+                 parallel: StepPeers | None = None, kv_dtype: torch.dtype | None = None,
+                 decode_graphs: DecodeGraphSpec | None = None, batch_invariant: bool = False):
         """tensor_parallel: model is this rank's shard of it, and the KV cache holds this rank's KV heads.
         parallel (rank 0 only): the other ranks, sent every step before it runs here.
-        kv_dtype: the KV cache's storage dtype (None: dtype, the activations'); attention reads it back in dtype."""
+        kv_dtype: the KV cache's storage dtype (None: dtype, the activations'); attention reads it back in dtype.
+        decode_graphs: the static-shape decode path over this runner's pool (cuda_graph.py), captured as CUDA graphs
+        when it says so. batch_invariant: every row's attention the same way (inferd/models/batch_invariant.py)."""
+        if parallel is not None and decode_graphs is not None:
+            raise ValueError("CUDA graphs are not used with tensor parallelism")
         self.model = model
         self.parallel = parallel
-        self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs for decode steps, set by the engine on CUDA
-        self.batch_invariant = False  # every row's attention the same way (inferd/models/batch_invariant.py)
+        self.batch_invariant = batch_invariant
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
@@ -98,6 +101,10 @@ class ModelRunner:
         self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads // tensor_parallel, num_blocks,
                               block_size, config.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_hidden_layers)]
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs is not None:
+            graphs = DecodeGraphs(model, self.kv_caches, config.vocab_size, dtype, block_size, decode_graphs)
+            self.decode_graphs = graphs.capture() if decode_graphs.capture else graphs
 
     def prepare(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..config import MAX_STRUCTURED_CHARS
-from .request import InvalidRequestError
+from .errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # JSON schemas compile with a bounded run of whitespace between tokens: a small model at temperature 1 otherwise

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from ..config import (DEFAULT_KV_CACHE_BYTES, TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig,
                       resolve_dtype, resolve_kv_dtype)
 from ..models.parallel import build_shard, check_tensor_parallel
-from .runner import ModelRunner, StepRow, kv_bytes_per_block
+from ..models.step_row import StepRow
+from .runner import ModelRunner, kv_bytes_per_block
 
 PARENT_POLL_S = 0.2  # a child notices this fast that its parent died
 CLOSE_TIMEOUT_S = 10.0  # close(): a child that has not exited this long after its pipe closed is killed

@@ -1,9 +1,9 @@
 """`inferd worker --echo`: a worker whose engine runs no model, so that the gateway, the API process and the worker
 protocol can be measured (and tested) alone.
 
-EchoEngine owns the part of the Engine interface that EngineLoop and build_hello use: add_request (validated like
-the Engine's), abort, step, has_unfinished_requests, take_pending_outputs, requests, max_model_len, model_config,
-eos_token_ids, stats.num_steps, and a nominal kv_cache / scheduler for the heartbeat's stats snapshot.
+EchoEngine implements EngineProtocol (inferd/engine/protocol.py), what the worker drives: add_request (validated like
+the Engine's), abort, step, ..., info() and snapshot(). Its KV pool is nominal, never short: enough blocks for every
+running slot at the full context window, those in use counted from the running requests' lengths.
 
 What it generates: every step, each running request gets one token, the prompt's tokens in turn (cycling), and
 finishes with finish_reason "length" at max_tokens (or at the context window), or "stop" on one of its
@@ -21,13 +21,13 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import EngineConfig
-from ..engine.engine import RequestOutput, StepStats
-from ..engine.kv_cache import PrefixCacheStats
-from ..engine.request import FinishReason, InvalidRequestError, SamplingParams, validate_request
-from ..engine.sampler import TokenLogprob
+from ..engine.errors import InvalidRequestError
+from ..engine.outputs import RequestOutput, TokenLogprob
+from ..engine.protocol import EngineInfo, EngineSnapshot, ScheduleHook
+from ..engine.request import FinishReason, SamplingParams, validate_request
 from ..models.config import ModelConfig
 
 log = logging.getLogger("inferd.worker")
@@ -50,47 +50,22 @@ class EchoRequest:
         return self.token_ids[self.num_output_tokens % self.num_prompt_tokens]
 
 
-@dataclass
-class EchoScheduler:
-    """The scheduler's counters that the stats snapshot reads. Running is capped at max_num_seqs (the rest waits, in
-    priority then arrival order, as in the real scheduler); there is no token budget and no preemption."""
-    max_num_seqs: int
-    running: list[EchoRequest] = field(default_factory=list)
-    waiting: list[EchoRequest] = field(default_factory=list)
-    num_preemptions: int = 0
-
-
-class NominalKVCache:
-    """A KV pool that is never short: enough blocks for every running slot at the full context window. Blocks in use
-    are counted from the running requests' lengths, only when a snapshot asks."""
-
-    def __init__(self, block_size: int, num_blocks: int, scheduler: EchoScheduler):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.stats = PrefixCacheStats()  # no prefix cache: zero hits, zero queries
-        self._scheduler = scheduler
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - sum(self.blocks_needed(len(r.token_ids)) for r in self._scheduler.running)
-
-
 class EchoEngine:
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.config = config
         self.model_config = model_config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # reported in the hello, never acted on
-        self.scheduler = EchoScheduler(config.max_num_seqs)
-        per_request = -(-self.max_model_len // config.block_size)
-        self.kv_cache = NominalKVCache(config.block_size, per_request * config.max_num_seqs, self.scheduler)
+        self.num_kv_blocks = self._blocks(self.max_model_len) * config.max_num_seqs
         self.requests: dict[str, EchoRequest] = {}
-        self.stats = StepStats()
+        # running is capped at max_num_seqs (the rest waits, in priority then arrival order, as in the real
+        # scheduler); there is no token budget and no preemption
+        self.running: list[EchoRequest] = []
+        self.waiting: list[EchoRequest] = []
+        self.num_steps = 0
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self._on_schedule: ScheduleHook | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "EchoEngine":
@@ -116,14 +91,14 @@ class EchoEngine:
         orig = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         req = EchoRequest(request_id, list(prompt_token_ids), orig, params, next(self._arrivals))
         self.requests[request_id] = req
-        self.scheduler.waiting.append(req)
+        self.waiting.append(req)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        for queue in (self.scheduler.running, self.scheduler.waiting):
+        for queue in (self.running, self.waiting):
             if req in queue:
                 queue.remove(req)
         self._pending_outputs.append(self._output(req, [], FinishReason.ABORT))
@@ -136,15 +111,48 @@ class EchoEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_failed(self) -> list[tuple[str, str, str | None]]:
+        return []  # nothing fails on its own here
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def failed_step_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.running or self.waiting]
+
+    def on_schedule(self, hook: ScheduleHook | None) -> None:
+        self._on_schedule = hook
+
+    def close(self) -> None:
+        pass
+
+    # ---- what the worker reports ----------------------------------------------------------------------------
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.eos_token_ids, self.num_kv_blocks,
+                          self.config.block_size)
+
+    def snapshot(self) -> EngineSnapshot:
+        in_use = sum(self._blocks(len(r.token_ids)) for r in self.running)
+        return EngineSnapshot(running=len(self.running), waiting=len(self.waiting), kv_blocks_in_use=in_use,
+                              kv_blocks_free=self.num_kv_blocks - in_use, kv_num_blocks=self.num_kv_blocks,
+                              num_steps=self.num_steps, busy=self.has_unfinished_requests())
+
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
+        if self._on_schedule is not None:  # the requests already running (those admitted now have not started)
+            self._on_schedule([r.params.seed for r in self.running])
         self._admit()
-        running = self.scheduler.running
+        running = self.running
         if not running:
             return outputs
-        self.stats.num_steps += 1
-        self.stats.num_sampled += len(running)
+        self.num_steps += 1
         still_running = []
         for req in running:
             token = req.next_token()
@@ -157,17 +165,17 @@ class EchoEngine:
             else:
                 still_running.append(req)
             outputs.append(self._output(req, [token], reason, token if stop else None))
-        self.scheduler.running = still_running
+        self.running = still_running
         return outputs
 
     def _admit(self) -> None:
-        s = self.scheduler
-        if not s.waiting or len(s.running) >= s.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        if not self.waiting or len(self.running) >= max_num_seqs:
             return
-        s.waiting.sort(key=lambda r: (r.params.priority, r.arrival_seq))
-        free = s.max_num_seqs - len(s.running)
-        s.running.extend(s.waiting[:free])
-        del s.waiting[:free]
+        self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_seq))
+        free = max_num_seqs - len(self.running)
+        self.running.extend(self.waiting[:free])
+        del self.waiting[:free]
 
     def _output(self, req: EchoRequest, new_ids: list[int], reason: FinishReason | None,
                 stop_reason: int | None = None) -> RequestOutput:
@@ -189,9 +197,9 @@ class EchoEngine:
 def run_echo_worker(config: EngineConfig, opts) -> int:
     """`inferd worker --echo`: run_worker's process (opts: WorkerRunOptions), with an EchoEngine instead of a loaded
     model."""
-    from .server import _start_process, serve_engine
+    from .server import serve_engine, start_worker_process
 
-    _start_process(opts)
+    start_worker_process(opts)
     engine = EchoEngine.from_config(config)
     log.info("echo worker: no model loaded; answers echo the prompt (vocab %d, context %d)",
              engine.model_config.vocab_size, engine.max_model_len)

@@ -1,11 +1,12 @@
-"""EngineLoop: the worker's step thread, sole owner of the Engine (which is not thread-safe).
+"""EngineLoop: the worker's step thread, sole owner of its engine (not thread-safe), which it drives through
+EngineProtocol (inferd/engine/protocol.py) alone.
 
 Adds, aborts, dropped connections and the stop order arrive as commands on a queue that is drained between steps,
 so an abort takes effect within one step. Each step's outputs leave as ONE `outputs` message per connection, every
 entry stamped with the epoch its request was dispatched with. Several connections (gateways) share the engine: a
 request's id in the engine is its connection's plus the client's own, so two gateways never collide, and a
-connection can abort or drop only its own requests. Between steps the loop publishes a stats snapshot that
-the heartbeat thread sends without touching the engine.
+connection can abort or drop only its own requests. Between steps the loop publishes a stats snapshot (from the
+engine's snapshot()) that the heartbeat thread sends without touching the engine.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ENGINE_MAX_WAITING
-from ..engine import Engine, InvalidRequestError, RequestOutput
+from ..engine.errors import InvalidRequestError
+from ..engine.outputs import RequestOutput
+from ..engine.protocol import EngineProtocol, EngineSnapshot
 from .faults import FaultInjector
-from .protocol import (OUTPUTS, AddRequest, WorkerStats, error_message, output_entry, rejected_message)
+from .protocol import OUTPUTS, AddRequest, WorkerStats, error_message, output_entry, rejected_message
 
 log = logging.getLogger("inferd.worker")
 
@@ -46,14 +49,15 @@ def engine_id(peer: Peer, request_id: str) -> str:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None,
+    def __init__(self, engine: EngineProtocol, on_crash: Callable[[BaseException], None] | None = None,
                  faults: FaultInjector | None = None):
         self.engine = engine
         self.on_crash = on_crash  # called from the step thread if the loop itself fails (a bug, not a bad step)
         self.faults = faults  # tests only (INFERD_FAULT): None in normal operation
         self.draining = False  # set (from any thread) when a stop was asked for: new requests are refused
         self._step_seconds_total = 0.0
-        self.stats = self._snapshot()  # replaced (never mutated) between steps: safe to read from any thread
+        # replaced (never mutated) between steps: safe to read from any thread
+        self.stats = self._worker_stats(engine.snapshot())
         self.step_started_at: float | None = None  # time.monotonic() of the step in progress, None between steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -138,7 +142,6 @@ class EngineLoop:
 
     def _step(self) -> list[RequestOutput]:
         self.step_started_at = time.monotonic()
-        self.engine.last_schedule = None  # set by the step once it has scheduled: who was in it
         # outputs from between steps (aborts' final ones), taken here so that a step that fails does not lose them
         pending = self.engine.take_pending_outputs()
         try:
@@ -155,23 +158,16 @@ class EngineLoop:
     def _report_failures(self) -> None:
         """Requests the engine stopped on an error of their own (a grammar it could not use, or one too slow):
         their clients are told (with the error's code, when it has one), the other requests carry on."""
-        take = getattr(self.engine, "take_failed", None)
-        for request_id, why, *code in take() if take is not None else ():
+        for request_id, why, code in self.engine.take_failed():
             dispatch = self._dispatches.pop(request_id, None)
             if dispatch is not None:
-                dispatch.peer.send(error_message(why, dispatch.client_id, dispatch.epoch,
-                                                 code=code[0] if code else None))
+                dispatch.peer.send(error_message(why, dispatch.client_id, dispatch.epoch, code=code))
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
         """The requests the failed step ran (its schedule's; when it failed before scheduling: the running ones, or
         the waiting ones when none ran) are stopped, their KV blocks freed, their clients told; the other requests
         and other clients' outputs carry on."""
-        sched = getattr(self.engine, "last_schedule", None)
-        scheduler = self.engine.scheduler
-        if sched is not None:
-            in_step = {s.request.request_id for s in sched.scheduled}
-        else:  # it failed before scheduling: the step would have run the running requests, or else admitted waiters
-            in_step = {r.request_id for r in scheduler.running or scheduler.waiting}
+        in_step = set(self.engine.failed_step_request_ids())
         for request_id in in_step:
             self.engine.abort(request_id)
             dispatch = self._dispatches.pop(request_id, None)
@@ -184,7 +180,7 @@ class EngineLoop:
     def _move_everything(self) -> None:
         """The grace period is over: every request still running is stopped here and reported as retryable, so
         that its client can replay it elsewhere (prompt + the tokens it already got)."""
-        for request_id in list(self.engine.requests):
+        for request_id in self.engine.unfinished_request_ids():
             dispatch = self._dispatches.pop(request_id, None)
             self.engine.abort(request_id)
             if dispatch is not None:
@@ -217,7 +213,7 @@ class EngineLoop:
             peer.send(rejected_message(request.request_id, request.epoch, "the worker is shutting down", retry=True))
             return
         # several gateways overfilling one worker (requests whose grammar is compiling wait too)
-        if len(self.engine.scheduler.waiting) + len(getattr(self.engine, "_awaiting_grammar", ())) >= ENGINE_MAX_WAITING:
+        if self.engine.num_waiting() >= ENGINE_MAX_WAITING:
             peer.send(rejected_message(request.request_id, request.epoch, f"the worker's queue is full "
                                        f"({ENGINE_MAX_WAITING} requests waiting)", retry=True))
             return
@@ -253,26 +249,22 @@ class EngineLoop:
             entry = output_entry(out, dispatch.epoch)
             entry["request_id"] = dispatch.client_id
             batches.setdefault(id(dispatch.peer), (dispatch.peer, []))[1].append(entry)
-        stats = self.engine.stats
+        snap = self.engine.snapshot()
         cost = {}
         if step_s is not None:  # what the step read and computed (roofline accounting), for MBU / MFU
-            _, prefill, decode, nbytes, flops = getattr(stats, "last", (0, 0, 0, 0, 0))
-            cost = {"bytes": nbytes, "flops": flops, "prefill_tokens": prefill, "decode_tokens": decode}
-            drafted, accepted = getattr(stats, "last_spec", (0, 0))
-            if drafted:  # speculative decoding: draft tokens verified this step, and accepted
-                cost.update(draft_tokens=drafted, accepted_tokens=accepted)
+            cost = {"bytes": snap.last_bytes, "flops": snap.last_flops, "prefill_tokens": snap.last_prefill_tokens,
+                    "decode_tokens": snap.last_decode_tokens}
+            if snap.last_draft_tokens:  # speculative decoding: draft tokens verified this step, and accepted
+                cost.update(draft_tokens=snap.last_draft_tokens, accepted_tokens=snap.last_accepted_tokens)
         for peer, entries in batches.values():
-            peer.send({"type": OUTPUTS, "step": stats.num_steps, "step_s": step_s, "outputs": entries, **cost})
-        self.stats = self._snapshot()
+            peer.send({"type": OUTPUTS, "step": snap.num_steps, "step_s": step_s, "outputs": entries, **cost})
+        self.stats = self._worker_stats(snap)
 
-    def _snapshot(self) -> WorkerStats:
-        kv, scheduler = self.engine.kv_cache, self.engine.scheduler
-        free = kv.num_free_blocks
-        _, prefill, decode, *_ = getattr(self.engine.stats, "last", (0, 0, 0))
-        busy = self.engine.has_unfinished_requests()
-        return WorkerStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                           kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
-                           prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
-                           num_preemptions=scheduler.num_preemptions, num_steps=self.engine.stats.num_steps,
+    def _worker_stats(self, snap: EngineSnapshot) -> WorkerStats:
+        step_tokens = snap.last_prefill_tokens + snap.last_decode_tokens if snap.busy else 0
+        return WorkerStats(running=snap.running, waiting=snap.waiting, kv_blocks_in_use=snap.kv_blocks_in_use,
+                           kv_blocks_free=snap.kv_blocks_free, kv_num_blocks=snap.kv_num_blocks,
+                           prefix_cache_hits=snap.prefix_cache_hits, prefix_cache_queries=snap.prefix_cache_queries,
+                           num_preemptions=snap.num_preemptions, num_steps=snap.num_steps,
                            step_seconds_total=self._step_seconds_total, draining=self.draining,
-                           step_tokens=prefill + decode if busy else 0)
+                           step_tokens=step_tokens)

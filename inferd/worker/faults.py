@@ -81,6 +81,7 @@ class FaultInjector:
         self.spec = spec
         self.counts = {"prefill": 0, "decode": 0, "any": 0}
         self.fired = 0
+        self._watching = False  # seed: the engine calls _scheduled in each step
 
     @classmethod
     def from_env(cls, worker_id: str, version: str) -> "FaultInjector | None":
@@ -104,24 +105,17 @@ class FaultInjector:
         self._count_and_act(self.counts[self.spec.phase], self.spec.phase)
 
     def _before_step_of_seed(self, engine) -> None:
-        runner = getattr(engine, "runner", None)
-        if runner is None:  # the echo engine: no batch to look into; before a step while such a request runs
-            if any(r.params.seed == self.spec.seed for r in engine.scheduler.running):
-                self.counts["any"] += 1
-                self._count_and_act(self.counts["any"], f"seed {self.spec.seed}")
-            return
-        if getattr(runner, "_fault_wrapped", False):
-            return
-        execute = runner.execute
+        """Counts, from inside each step, the steps that run a request sampled with the spec's seed: the engine
+        calls back once it knows the step's requests (EngineProtocol.on_schedule; the echo engine: those running
+        when its step starts)."""
+        if not self._watching:
+            engine.on_schedule(self._scheduled)
+            self._watching = True
 
-        def execute_or_fault(sched, *args, **kw):  # the batch is scheduled: the fault strikes inside the step
-            if any(s.request.params.seed == self.spec.seed for s in sched.scheduled):
-                self.counts["any"] += 1
-                self._count_and_act(self.counts["any"], f"seed {self.spec.seed}")
-            return execute(sched, *args, **kw)
-
-        runner.execute = execute_or_fault  # an instance attribute: test-only, armed by INFERD_FAULT
-        runner._fault_wrapped = True
+    def _scheduled(self, seeds: list[int | None]) -> None:
+        if self.spec.seed in seeds:  # the batch is scheduled: the fault strikes inside the step
+            self.counts["any"] += 1
+            self._count_and_act(self.counts["any"], f"seed {self.spec.seed}")
 
     def _count_and_act(self, n: int, where: str) -> None:
         spec = self.spec

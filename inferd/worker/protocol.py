@@ -42,8 +42,9 @@ from typing import Any
 # the limits live with every other limit, in inferd/config.py
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
 from ..config import MAX_HELLO_STRING
+from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
-from ..engine.request import InvalidRequestError, SamplingParams
+from ..engine.request import SamplingParams
 
 # 2: hello.version, stats.draining, rejected/error "retry"; 3: the challenge-response handshake; 4: every frame after
 # the handshake sealed, the hello first (it no longer carries a proof: opening it is the proof)

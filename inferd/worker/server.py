@@ -43,6 +43,7 @@ from ..config import (DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, MAX_HANDS
                       MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS, WORKER_HANDSHAKE_TIMEOUT_S,
                       EngineConfig)
 from ..engine import Engine, InvalidRequestError
+from ..engine.protocol import EngineProtocol
 from .engine_loop import EngineLoop
 from .faults import FaultInjector
 from .protocol import (ABORT, ADD, AUTH, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
@@ -110,7 +111,7 @@ class Connection:
 
 
 class WorkerServer:
-    def __init__(self, engine: Engine, hello: WorkerHello, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, engine: EngineProtocol, hello: WorkerHello, host: str = "127.0.0.1", port: int = 0,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, faults: FaultInjector | None = None,
                  secret: bytes = b"", handshake_timeout: float = WORKER_HANDSHAKE_TIMEOUT_S):
         if not heartbeat_interval > 0:
@@ -356,18 +357,17 @@ def model_name(config: EngineConfig) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build_hello(engine: Engine, config: EngineConfig, worker_id: str, heartbeat_interval: float,
+def build_hello(engine: EngineProtocol, config: EngineConfig, worker_id: str, heartbeat_interval: float,
                 version: str = DEFAULT_MODEL_VERSION, peaks=None) -> WorkerHello:
+    info = engine.info()
     return WorkerHello(protocol_version=PROTOCOL_VERSION, worker_id=worker_id, pid=os.getpid(),
-                       model=getattr(engine, "served_name", None) or model_name(config),
-                       max_model_len=engine.max_model_len,
-                       vocab_size=engine.model_config.vocab_size, eos_token_ids=sorted(engine.eos_token_ids),
-                       kv_num_blocks=engine.kv_cache.num_blocks, kv_block_size=engine.kv_cache.block_size,
+                       model=info.served_name or model_name(config), max_model_len=info.max_model_len,
+                       vocab_size=info.vocab_size, eos_token_ids=sorted(info.eos_token_ids),
+                       kv_num_blocks=info.kv_num_blocks, kv_block_size=info.kv_block_size,
                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                        heartbeat_interval=heartbeat_interval, version=version,
                        peak_bandwidth=peaks.bandwidth if peaks else 0.0, peak_flops=peaks.flops if peaks else 0.0,
-                       task=getattr(engine, "task", "generate"),
-                       embedding_dim=getattr(getattr(engine, "embedder", None), "dim", 0))
+                       task=info.task, embedding_dim=info.embedding_dim)
 
 
 @contextlib.contextmanager
@@ -407,7 +407,7 @@ class WorkerRunOptions:
 
 def run_worker(config: EngineConfig, opts: WorkerRunOptions) -> int:
     """The `inferd worker` process."""
-    _start_process(opts)
+    start_worker_process(opts)
     try:
         with loading_progress(model_name(config)) as progress:
             engine = Engine.from_config(dataclasses.replace(config, detokenize=False), progress)  # sends token ids
@@ -425,7 +425,7 @@ def run_embed_worker(config: EngineConfig, opts: WorkerRunOptions, max_wait_s: f
     """`inferd worker --task embed`: an embedding model (inferd/engine/embedding.py) behind the same protocol."""
     from ..engine.embedding import EmbedEngine
 
-    _start_process(opts)
+    start_worker_process(opts)
     try:
         engine = EmbedEngine.from_config(config, max_wait_s, max_batch_tokens, pooling, normalize)
     except ValueError as e:
@@ -437,7 +437,9 @@ def run_embed_worker(config: EngineConfig, opts: WorkerRunOptions, max_wait_s: f
     return serve_engine(engine, config, opts)
 
 
-def _start_process(opts: WorkerRunOptions) -> None:
+def start_worker_process(opts: WorkerRunOptions) -> None:
+    """What every worker process does first (the model's, the embedding model's, the echo one): logging, the
+    parent watch, torch's thread count."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     if opts.parent_pid is not None:
@@ -448,7 +450,7 @@ def _start_process(opts: WorkerRunOptions) -> None:
         torch.set_num_threads(opts.threads)
 
 
-def serve_engine(engine, config: EngineConfig, opts: WorkerRunOptions) -> int:
+def serve_engine(engine: EngineProtocol, config: EngineConfig, opts: WorkerRunOptions) -> int:
     """Serves a built engine (the model's or the echo one) until shutdown; returns the exit code."""
     worker_id = opts.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     device_peaks = None

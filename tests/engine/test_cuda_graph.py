@@ -12,7 +12,7 @@ from parity import Reference, assert_greedy_parity, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
-from inferd.engine.cuda_graph import DecodeGraphs, batch_ladder, context_buckets, wants_decode_graphs
+from inferd.engine.cuda_graph import DecodeGraphSpec, batch_ladder, context_buckets, wants_decode_graphs
 from inferd.engine.runner import ModelRunner, kv_bytes_per_block
 
 BLOCK = 16
@@ -25,10 +25,9 @@ MAX_NEW = [12, 16, 9, 14, 11, 18, 10]  # uneven: the batch shrinks as requests f
 def static_runner(micro, blocks: int, max_batch: int = 8, **kw) -> ModelRunner:
     """A runner whose KV pool has one block beyond the `blocks` a KVCacheManager hands out: the padded rows'
     scratch block, as the engine reserves it on CUDA."""
-    runner = ModelRunner(micro.model, micro.cfg, blocks + 1, BLOCK, torch.float32)
-    runner.decode_graphs = DecodeGraphs(runner, max_batch, MAX_MODEL_LEN, scratch_block=blocks,
-                                        buckets=kw.pop("buckets", BUCKETS), **kw)
-    return runner
+    spec = DecodeGraphSpec(max_batch, MAX_MODEL_LEN, scratch_block=blocks, capture=False,
+                           buckets=kw.pop("buckets", BUCKETS), **kw)
+    return ModelRunner(micro.model, micro.cfg, blocks + 1, BLOCK, torch.float32, decode_graphs=spec)
 
 
 def make_engine(micro, blocks: int, static: bool, **kw) -> Engine:

@@ -57,7 +57,8 @@ def test_vectors_equal_hugging_face_batched_or_alone(tiny_llama_dir, hf_hidden, 
     for a, t, e in zip(alone, together, expected):
         assert cosine(a, e) >= 0.9999 and cosine(t, e) >= 0.9999
         assert abs(np.linalg.norm(t) - 1.0) < 1e-5
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # nothing is kept
+    snap = engine.snapshot()
+    assert snap.kv_blocks_free == snap.kv_num_blocks  # nothing is kept
 
 
 def test_pooling_resolution_and_the_pool_function(tiny_llama_dir, tmp_path):

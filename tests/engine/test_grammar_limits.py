@@ -52,7 +52,7 @@ def test_an_abort_kills_the_compile_nobody_else_waits_for(engine):
     leaving = engine.add_request(prompt, SamplingParams(max_tokens=4, structured=shared))
     staying = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, structured=shared))
     solo = engine.add_request(prompt, SamplingParams(max_tokens=4, structured=alone))
-    compiler = engine._grammar_compiler()
+    compiler = engine.grammars.compiler()
     deadline = time.monotonic() + 60
     while len(compiler.pids()) < 2 or compiler.busy() < 2:  # both compiles running, each in its process
         assert time.monotonic() < deadline

@@ -11,8 +11,7 @@ import torch
 from inferd.cli import main as cli_main
 from inferd.config import EngineConfig
 from inferd.engine import SamplingParams
-from inferd.engine.engine import check_speculative
-from inferd.engine.speculative import NgramIndex, propose_ngram
+from inferd.engine.speculative import NgramIndex, check_speculative, propose_ngram
 from tests.parity import Reference, assert_same_output, greedy_prefix_parity
 
 # a prompt that repeats itself: a random model continues such text in loops, so drafts get accepted

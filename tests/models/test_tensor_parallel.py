@@ -178,7 +178,7 @@ def test_child_rank_exits_when_the_engine_process_is_killed(tiny_llama_dir):
 def test_step_encoding_round_trips():
     import io
 
-    from inferd.engine.runner import StepRow
+    from inferd.models.step_row import StepRow
     from inferd.engine.tensor_parallel import encode_step, read_step
 
     rows = [StepRow([7], 40, [3, 9, 11], True), StepRow(list(range(20)), 0, [5, 6], False),

@@ -45,7 +45,8 @@ def test_echo_cycles_the_prompt_and_finishes_by_length(engine):
     assert [t for o in outs for t in o.new_token_ids] == [5, 6, 7, 5, 6, 7, 5]
     assert [o.finish_reason for o in outs] == [None] * 6 + ["length"]
     assert (outs[-1].num_prompt_tokens, outs[-1].num_output_tokens) == (3, 7)
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks and not engine.requests
+    snap = engine.snapshot()
+    assert snap.kv_blocks_free == snap.kv_num_blocks and not engine.requests
 
 
 def test_replay_continues_the_cycle(engine):
@@ -60,7 +61,8 @@ def test_running_is_capped_at_max_num_seqs_and_aborts_free_the_slot(engine):
     for rid in "abc":
         engine.add_request([1, 2], SamplingParams(max_tokens=50), rid)
     assert {o.request_id for o in engine.step()} == {"a", "b"}
-    assert (len(engine.scheduler.running), len(engine.scheduler.waiting)) == (2, 1)
+    snap = engine.snapshot()
+    assert (snap.running, snap.waiting) == (2, 1)
     assert engine.abort("a") and not engine.abort("a")
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs][0] == ("a", "abort")
