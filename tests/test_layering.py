@@ -207,3 +207,27 @@ def test_each_package_imports_only_the_layers_below_it():
            for t, line in sorted(edges.items())
            if layer_of(t) != layer_of(m) and t != "inferd" and layer_of(t) not in LAYERS[layer_of(m)]]
     assert not bad, "imports across the layers:\n" + "\n".join(bad)
+
+
+def private_imports(root: Path, package: str) -> list[str]:
+    """'module:line imports name from module' for every import of another module's private (_name) name."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        name, base = module_name(path, root, package)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith(package)):
+                continue
+            out += [f"{name}:{node.lineno} imports {alias.name} from {node.module or '.'}" for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = private_imports(PACKAGE, "inferd")
+    assert not bad, "a private name is its module's own (make it public, or move the code):\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("def _helper():\n    pass\n")
+    (tmp_path / "b.py").write_text("from .a import (\n    __doc__,\n    _helper,\n)\n")
+    assert private_imports(tmp_path, "pkg") == ["pkg.b:1 imports _helper from a"]

@@ -462,7 +462,7 @@ def build_report(config: BenchConfig, records: list[RequestRecord], duration: fl
     }
 
 
-def _fmt(value, digits: int = 2) -> str:
+def format_figure(value, digits: int = 2) -> str:
     if value is None:
         return "-"
     return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
@@ -480,13 +480,14 @@ def report_tables(result: dict) -> tuple[Table, Table]:
             ("Total token throughput (tok/s)", "total_token_throughput")]
     for label, key in rows:
         if key in result:
-            summary.add_row(label, _fmt(result[key]))
+            summary.add_row(label, format_figure(result[key]))
     latency = Table(title="Latency (ms)")
     latency.add_column("Metric")
     for stat in ("Mean", "Median", "P90", "P99", "Std"):
         latency.add_column(stat, justify="right")
     for label, name in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2el")):
-        latency.add_row(label, *(_fmt(result[f"{s}_{name}_ms"]) for s in ("mean", "median", "p90", "p99", "std")))
+        stats = ("mean", "median", "p90", "p99", "std")
+        latency.add_row(label, *(format_figure(result[f"{s}_{name}_ms"]) for s in stats))
     return summary, latency
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from .loadgen import HTTP_TIMEOUT, BenchConfig, BenchError, RequestRecord, _fmt, resolve_model, run_benchmark
+from .loadgen import HTTP_TIMEOUT, BenchConfig, BenchError, RequestRecord, format_figure, resolve_model, run_benchmark
 
 # sized for a small model on a CPU or one GPU; a big GPU server wants larger ones (--rates 4,8,16,32
 # --concurrencies 8,32,128)
@@ -416,8 +416,9 @@ def cmd_report(args: argparse.Namespace, base: BenchConfig) -> int:
             json.dump(so_far, f, indent=1)  # the points so far: an interrupted sweep keeps them
         s = point["summary"]
         err.print(f"  {point['label']}: {s['completed']}/{s['sent']} ok in {s['duration']:.1f} s, "
-                  f"{_fmt(s['output_throughput'])} output tok/s, TTFT p50 {_fmt(s['median_ttft_ms'])} ms, "
-                  f"TPOT p50 {_fmt(s['median_tpot_ms'])} ms", markup=False, highlight=False, soft_wrap=True)
+                  f"{format_figure(s['output_throughput'])} output tok/s, "
+                  f"TTFT p50 {format_figure(s['median_ttft_ms'])} ms, "
+                  f"TPOT p50 {format_figure(s['median_tpot_ms'])} ms", markup=False, highlight=False, soft_wrap=True)
 
     try:
         results = asyncio.run(run_sweep(sweep, on_point=show))

@@ -350,6 +350,11 @@ class Gateway:
         """Admitted requests not finished yet (waiting, bound to a worker, or being moved to another)."""
         return sum(held[0] for held in self.open_by_tenant.values())
 
+    @property
+    def num_settling(self) -> int:
+        """Quota settlements not done yet (retried while the limiter fails)."""
+        return len(self._settling)
+
     def _settle(self, tenant: Tenant, lease_id: str, reserved: int, used: int, refund_request: bool) -> None:
         """Settles a lease with the limiter in the background (never awaited by a request's cleanup), retried with
         backoff while the limiter fails (Redis down): the lease is given back as soon as it can be."""

@@ -57,12 +57,12 @@ try:
     import triton.language as tl
 
     AVAILABLE = True
-    _IMPORT_ERROR: str | None = None
+    IMPORT_ERROR: str | None = None
 except Exception as e:  # ImportError, or a broken install: the engine must still import this module
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     AVAILABLE = False
-    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -76,7 +76,7 @@ MAX_SPLITS = 64  # bounds the scratch ([B, H, splits, D] float32) and the merge'
 if AVAILABLE:
 
     @triton.jit
-    def _fp8e4m3fn_to_fp32(bits):
+    def fp8e4m3fn_to_fp32(bits):
         """bits: a uint8 tile of float8_e4m3fn codes -> their float32 values, exactly, with integer ops only.
 
         A code is sign (bit 7), exponent e (bits 3-6, bias 7), mantissa m (bits 0-2). Normal codes (e > 0) are
@@ -98,7 +98,7 @@ if AVAILABLE:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         bits = tl.load(src_ptr + offs, mask=ok, other=0)
-        tl.store(dst_ptr + offs, _fp8e4m3fn_to_fp32(bits), mask=ok)
+        tl.store(dst_ptr + offs, fp8e4m3fn_to_fp32(bits), mask=ok)
 
     @triton.jit
     def _paged_decode_split_kernel(
@@ -151,8 +151,8 @@ if AVAILABLE:
             v = tl.load(v_base + (block * stride_vb + in_block * stride_vp)[:, None] + offs_d[None, :] * stride_vd,
                         mask=pos_ok[:, None], other=0)
             if KV_FP8:
-                k = _fp8e4m3fn_to_fp32(k)
-                v = _fp8e4m3fn_to_fp32(v)
+                k = fp8e4m3fn_to_fp32(k)
+                v = fp8e4m3fn_to_fp32(v)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
@@ -216,7 +216,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """The checks both paged attention kernels make of q [rows, H, D] and the caches (ValueError, or RuntimeError
     without triton); returns (rows, H, D, KV, block_size)."""
     if not AVAILABLE:
-        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
+        raise RuntimeError(f"triton is not available: {IMPORT_ERROR}")
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [{rows}, H, D] and caches [KV, blocks, block_size, D], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -228,7 +228,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"q has head_dim {D}, the cache {Dk}")
     if H % KV:
         raise ValueError(f"{H} query heads are not a multiple of {KV} KV heads")
-    if not _pow2(block_size):
+    if not pow2(block_size):
         raise ValueError(f"block_size {block_size} is not a power of two")
     if q.dtype not in Q_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported (choose one of {Q_DTYPES})")
@@ -237,7 +237,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return n, H, D, KV, block_size
 
 
-def _pow2(x: int) -> bool:
+def pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
@@ -264,7 +264,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 def dequantize_fp8(x: torch.Tensor) -> torch.Tensor:
     """A float8_e4m3fn tensor -> float32, decoded by the kernels' own converter (what tests check code by code)."""
     if not AVAILABLE:
-        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
+        raise RuntimeError(f"triton is not available: {IMPORT_ERROR}")
     if x.dtype != torch.float8_e4m3fn:
         raise ValueError(f"expected a float8_e4m3fn tensor, got {x.dtype}")
     src = x.contiguous().view(torch.uint8).reshape(-1)
@@ -298,7 +298,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     bn = block_n or default_block_n(block_size, D)
-    if not (_pow2(bn) and bn >= 16):
+    if not (pow2(bn) and bn >= 16):
         raise ValueError(f"block_n must be a power of two >= 16, got {bn}")
     table_width = block_tables.shape[1]
     max_tiles = -(-table_width * block_size // bn)

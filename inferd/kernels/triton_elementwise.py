@@ -58,8 +58,8 @@ from __future__ import annotations
 
 import torch
 
-# triton, or None where it does not import (AVAILABLE, _IMPORT_ERROR): one guard, in the decode kernel's module
-from .triton_decode import _IMPORT_ERROR, AVAILABLE, tl, triton  # noqa: F401
+# triton, or None where it does not import (AVAILABLE, IMPORT_ERROR): one guard, in the decode kernel's module
+from .triton_decode import AVAILABLE, IMPORT_ERROR, tl, triton  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -201,7 +201,7 @@ def _next_pow2(x: int) -> int:
 
 def _require_triton() -> None:
     if not AVAILABLE:
-        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
+        raise RuntimeError(f"triton is not available: {IMPORT_ERROR}")
 
 
 def _same_device(**tensors: torch.Tensor | None) -> None:

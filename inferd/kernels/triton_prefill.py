@@ -41,17 +41,17 @@ from __future__ import annotations
 
 import torch
 
-# triton, or None where it does not import (AVAILABLE, _IMPORT_ERROR): one guard, in the decode kernel's module
+# triton, or None where it does not import (AVAILABLE, IMPORT_ERROR): one guard, in the decode kernel's module
 # what both paged attention kernels take, and their argument checks (one copy, in the decode kernel's module)
 from .triton_decode import (  # noqa: F401  # noqa: E402,F401
-    _IMPORT_ERROR,
     AVAILABLE,
     HEAD_DIMS,
+    IMPORT_ERROR,
     KV_DTYPES,
     LOG2E,
     Q_DTYPES,
-    _pow2,
     check_paged_args,
+    pow2,
     tl,
     triton,
 )
@@ -59,7 +59,7 @@ from .triton_decode import (  # noqa: F401  # noqa: E402,F401
 if AVAILABLE:
 
     # the float8 decoder the decode kernel uses (one copy: exact for every finite code, tested there and here)
-    from .triton_decode import _fp8e4m3fn_to_fp32
+    from .triton_decode import fp8e4m3fn_to_fp32
 
     @triton.jit(do_not_specialize=["num_seqs"])  # S == 1 must not turn the search bound into a constant
     def _paged_prefill_kernel(
@@ -122,8 +122,8 @@ if AVAILABLE:
                 k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd, mask=k_ok[None, :], other=0)
                 v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=k_ok[:, None], other=0)
                 if KV_FP8:
-                    k = _fp8e4m3fn_to_fp32(k)
-                    v = _fp8e4m3fn_to_fp32(v)
+                    k = fp8e4m3fn_to_fp32(k)
+                    v = fp8e4m3fn_to_fp32(v)
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
 
@@ -173,7 +173,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the smallest tl.dot operand on a GPU); tests use small ones to cover several tiles per sequence.
     """
     if not AVAILABLE:
-        raise RuntimeError(f"triton is not available: {_IMPORT_ERROR}")
+        raise RuntimeError(f"triton is not available: {IMPORT_ERROR}")
     T, H, D, KV, block_size = check_paged_args(q, k_cache, v_cache, "T")
     S = context_lens.shape[0]
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
@@ -184,7 +184,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     bm, bn = default_tiles(D)
     bm, bn = block_m or bm, block_n or bn
-    if not (_pow2(bm) and _pow2(bn) and bm >= 16 and bn >= 16):
+    if not (pow2(bm) and pow2(bn) and bm >= 16 and bn >= 16):
         raise ValueError(f"tile sizes must be powers of two >= 16, got BLOCK_M={bm}, BLOCK_N={bn}")
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

@@ -43,7 +43,7 @@ class Target:
     seconds: float
 
     def __str__(self) -> str:
-        return f"{self.metric}_p{self.percentile:g}={_fmt_s(self.seconds)}"
+        return f"{self.metric}_p{self.percentile:g}={format_seconds(self.seconds)}"
 
 
 def parse_slo(text: str) -> list[Target]:
@@ -303,7 +303,7 @@ def worker_capacity(model: StepModel, config: WorkerConfig, targets: list[Target
     return lo * (prompt + output)
 
 
-def _fmt_s(seconds: float | None) -> str:
+def format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.2f}s"

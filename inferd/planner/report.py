@@ -12,9 +12,9 @@ from pathlib import Path
 from .plan import (
     HOUR,
     FleetRun,
-    _fmt_s,
     by_hour,
     figures,
+    format_seconds,
     hourly_need,
     parse_slo,
     read_traffic,
@@ -189,8 +189,8 @@ def markdown(result: dict, args) -> str:
                   "| fleet | " + " | ".join(result["targets"]) + " | met |", "|---|" + "---|" * (len(result["targets"]) + 1)]
         for name in [s["fleet"] for s in result["summary"]]:
             f = r[name]
-            lines.append(f"| {name} | " + " | ".join(_fmt_s(f.get(t.split("=")[0])) for t in result["targets"]) +
-                         f" | {'yes' if f['met'] else 'no'} |")
+            cells = " | ".join(format_seconds(f.get(t.split("=")[0])) for t in result["targets"])
+            lines.append(f"| {name} | {cells} | {'yes' if f['met'] else 'no'} |")
     refused = result["refused_per_hour"] if result["refused"] else None
     lines += ["", "## Per hour", "",
               "| hour | req/s | tokens/s | workers needed | " + ("refused | " if refused else "") +
@@ -203,7 +203,7 @@ def markdown(result: dict, args) -> str:
         cells = []
         for name, rows in result["per_hour"].items():
             row = rows[h]
-            cells.append(f"{row['workers']:.1f}, {_fmt_s(row.get(first))}, {'yes' if row['met'] else 'NO'}"
+            cells.append(f"{row['workers']:.1f}, {format_seconds(row.get(first))}, {'yes' if row['met'] else 'NO'}"
                          if row["requests"] else f"{row['workers']:.1f}, -, -")
         lines.append(f"| {h:02d} | {rps:.2f} | {tok:.0f} | {need if need is not None else '>max'} | " +
                      (f"{refused[h]} | " if refused else "") + " | ".join(cells) + " |")

@@ -199,7 +199,7 @@ class _GatewayCollector:
         yield GaugeMetricFamily("inferd_gateway_in_flight_sequences", "Sequences bound to a worker (or being moved "
                                 "to another): the workers' room in use", value=g.num_in_flight)
         yield GaugeMetricFamily("inferd_gateway_settlements_pending", "Quota settlements not done yet (retried "
-                                "while the limiter fails)", value=len(g._settling))
+                                "while the limiter fails)", value=g.num_settling)
         open_requests = GaugeMetricFamily("inferd_tenant_open_requests", "A tenant's admitted requests not finished",
                                           labels=["tenant"])
         reserved = GaugeMetricFamily("inferd_tenant_reserved_tokens", "Tokens a tenant's open requests reserved",

@@ -62,7 +62,7 @@ SCALE = 0.125
 
 @pytest.fixture(autouse=True)
 def triton_available():
-    assert triton_decode.AVAILABLE, f"triton does not import: {triton_decode._IMPORT_ERROR}"
+    assert triton_decode.AVAILABLE, f"triton does not import: {triton_decode.IMPORT_ERROR}"
     from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(triton_decode._paged_decode_split_kernel, InterpretedFunction), "it would compile for a GPU"
@@ -294,7 +294,7 @@ def test_the_module_imports_without_triton(monkeypatch):
     spec = importlib.util.spec_from_file_location("_triton_decode_without_triton", triton_decode.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.AVAILABLE is False and "triton" in module._IMPORT_ERROR
+    assert module.AVAILABLE is False and "triton" in module.IMPORT_ERROR
     with pytest.raises(RuntimeError, match="triton is not available"):
         module.paged_decode_attention(torch.randn(1, 4, 32), torch.randn(2, 1, 16, 32), torch.randn(2, 1, 16, 32),
                                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), SCALE)

@@ -53,7 +53,7 @@ def te():
 
     if not isinstance(mod._rope_kv_write_kernel, InterpretedFunction):  # imported before interpretation was on
         mod = importlib.reload(mod)
-    assert mod.AVAILABLE, mod._IMPORT_ERROR
+    assert mod.AVAILABLE, mod.IMPORT_ERROR
     assert isinstance(mod._rope_kv_write_kernel, InterpretedFunction), "the kernels would compile for a GPU"
     assert isinstance(triton.language.zeros, InterpretedFunction), (
         "triton was imported in this process before TRITON_INTERPRET=1 was set: its library functions cannot run in "
@@ -344,7 +344,7 @@ def test_imports_without_triton():
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
         "import torch\n"
         "from inferd.kernels import triton_elementwise as m\n"
-        "assert not m.AVAILABLE and 'triton' in m._IMPORT_ERROR\n"
+        "assert not m.AVAILABLE and 'triton' in m.IMPORT_ERROR\n"
         "calls = [lambda: m.add_rms_norm(None, torch.zeros(1, 4), torch.zeros(4), 1e-5),\n"
         "         lambda: m.silu_mul(torch.zeros(1, 4)), lambda: m.to_fp8e4m3fn(torch.zeros(4)),\n"
         "         lambda: m.rope_kv_write(*[torch.zeros(1)] * 7, 1, 1)]\n"

@@ -64,7 +64,7 @@ def prefill():
 
     if not isinstance(mod._paged_prefill_kernel, InterpretedFunction):  # imported before interpretation was forced
         mod = importlib.reload(mod)
-    assert mod.AVAILABLE, mod._IMPORT_ERROR
+    assert mod.AVAILABLE, mod.IMPORT_ERROR
     assert isinstance(mod._paged_prefill_kernel, InterpretedFunction), "the kernel would compile for a GPU"
     assert isinstance(triton.language.zeros, InterpretedFunction), (
         "triton was imported in this process before TRITON_INTERPRET=1 was set, so its library functions (tl.zeros, "
