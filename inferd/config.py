@@ -93,7 +93,7 @@ GRAMMAR_COMPILE_WALL_FACTOR = 6.0  # ... and one starved of CPU is killed after 
 # every request waiting for it was aborted), so one slow compile never holds the others
 GRAMMAR_COMPILE_PROCESSES = 2
 GRAMMAR_COMPILE_START_TIMEOUT_S = 120.0  # a compile process that is not ready after this (importing xgrammar) failed
-# embeddings (inferd/engine/embedding.py, inferd/api/embeddings.py)
+# embeddings (inferd/engine/embedding.py, inferd/models/encoder.py and pooling.py, inferd/api/embeddings.py)
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 DEFAULT_EMBED_MAX_WAIT_MS = 5.0  # `--embed-max-wait-ms`: how long the oldest input waits for others to batch with
 DEFAULT_EMBED_MAX_BATCH_TOKENS = 8192  # `--embed-max-batch-tokens`: tokens one embedding step takes at most
