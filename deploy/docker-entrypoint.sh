@@ -4,7 +4,7 @@
 #   serve | gateway : the API keys. A keys file (`inferd keys create`) at $INFERD_KEYS_FILE
 #                     (default /run/secrets/inferd_keys) -> --keys FILE; else a single key at $INFERD_API_KEY_FILE
 #                     (default /run/secrets/inferd_api_key) -> --api-key-file FILE; else $INFERD_API_KEY, which
-#                     inferd reads itself. Without any of them `--host 0.0.0.0` is refused (inferd/cli/credentials.py).
+#                     inferd reads itself. Without any of them `--host 0.0.0.0` is refused (inferd/cli/server.py).
 #   worker | gateway: the workers' shared secret at $INFERD_WORKER_SECRET_FILE
 #                     (default /run/secrets/inferd_worker_secret) -> --worker-secret-file FILE; else
 #                     $INFERD_WORKER_SECRET, which inferd reads itself.
