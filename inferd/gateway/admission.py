@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
@@ -60,6 +61,7 @@ class RateLimited(Exception):
     @property
     def message(self) -> str:
         d, t = self.decision, self.tenant
+        assert d.reason is not None  # raised only for a refusal, and both limiters name every refusal's reason
         if d.reason == "too_large":
             return (f"Request too large for tenant {t.name}: it needs {self.tokens} tokens (prompt + max_tokens) "
                     f"but the tenant's limit is {t.tpm} tokens per {self.window:g} s. Reduce the prompt or "
@@ -174,7 +176,7 @@ class Ticket:
         self.dispatch_seq = 0  # order of dispatch (1, 2, ...)
         self.dispatched_ahead = 0  # requests dispatched while this one waited
         self._dispatches_at_admission = gateway._num_dispatched
-        self._future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._future: asyncio.Future[WorkerClient] = asyncio.get_running_loop().create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._finished = False
         self._drained_prompt = False
@@ -270,8 +272,8 @@ class Gateway:
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
         self.version_shares: dict[str, float] | None = None
-        self._version_counts: dict[str, int] = {}
-        self.on_bind: list = []  # callbacks (ticket) after every first dispatch (rollout statistics)
+        self._version_counts: dict[str | None, int] = {}  # by WorkerClient.version (None only before a hello)
+        self.on_bind: list[Callable[[Ticket], None]] = []  # called after every first dispatch (rollout statistics)
         self._arrivals: deque[tuple[float, float]] = deque()  # (time, expected tokens) of admitted requests
         self.open_by_tenant: dict[str, list[int]] = {}  # tenant -> [open tickets, their reserved tokens]
         self.leases = LeaseKeeper(self.limiter)  # the concurrency leases of open requests, renewed while they run
@@ -303,10 +305,10 @@ class Gateway:
         if prompt is not None:
             ticket.prompt_hashes = self.router.prompt_hashes(prompt, cache_salt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
-        ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
-                               payload=ticket)
+        waiter = ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
+                                        payload=ticket)
         try:
-            self._enqueue(ticket)
+            self._enqueue(ticket, waiter)
         except (Overloaded, QueueShareExceeded) as e:
             ticket.finish(0)
             self.count("overloaded" if isinstance(e, Overloaded) else "queue_share")
@@ -381,8 +383,8 @@ class Gateway:
         while self._settling:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
 
-    def _enqueue(self, ticket: Ticket) -> None:
-        w = ticket.waiter
+    def _enqueue(self, ticket: Ticket, w: Waiter) -> None:
+        """Puts the ticket (its waiter: w) in the queue, or raises Overloaded / QueueShareExceeded."""
         queue = self.queue
         if not queue.fits(w.reserved_tokens):
             self._shed_for(w)

@@ -37,7 +37,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 # the limits live with every other limit, in inferd/config.py
 from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
@@ -82,7 +82,7 @@ def proof_matches(expected: str, given: Any) -> bool:
     return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
 
 
-def valid_nonce(value: Any) -> bool:
+def valid_nonce(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and _NONCE_HEX.fullmatch(value) is not None
 
 
@@ -216,7 +216,8 @@ def sampling_params_from_dict(data: Any) -> SamplingParams:
         value = data.get(name, [])
         if not isinstance(value, list) or not all(_is(v, item_type) for v in value):
             raise InvalidRequestError(f"{name} must be a list of {item_type.__name__}, got {value!r}")
-    return SamplingParams(**{k: list(v) if isinstance(v, list) else v for k, v in data.items()})
+    values: dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in data.items()}
+    return SamplingParams(**values)
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -329,14 +330,15 @@ class WorkerOutput(RequestOutput):
                    logprobs=logprobs, embedding=_decode_vector(entry.get("embedding")))
 
 
-def output_entry(out, epoch: int) -> dict[str, Any]:
+def output_entry(out: RequestOutput, epoch: int) -> dict[str, Any]:
     """One engine RequestOutput as an entry of an `outputs` message."""
     entry = {"request_id": out.request_id, "epoch": epoch, "new_token_ids": out.new_token_ids,
              "finished": out.finished, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
              "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
              "num_cached_tokens": out.num_cached_tokens}
-    if getattr(out, "embedding", None) is not None:  # float32 little-endian, base64: a quarter of JSON's size
-        entry["embedding"] = base64.b64encode(struct.pack(f"<{len(out.embedding)}f", *out.embedding)).decode()
+    embedding = out.embedding
+    if embedding is not None:  # float32 little-endian, base64: a quarter of JSON's size
+        entry["embedding"] = base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode()
     if out.logprobs:
         entry["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
                               "top": [[t, _finite_logprob(v)] for t, v in lp.top]} for lp in out.logprobs]
