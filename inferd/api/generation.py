@@ -66,7 +66,7 @@ class GenerationService:
     def __init__(self, state):
         self.state = state
 
-    async def admit(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None) -> "Generation":
+    async def admit(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None) -> Generation:
         """Admission (quota, queue, overload): a Generation that holds the ticket from here on (nothing awaits
         between the two), or the refusal as an APIError (429, 503, ...)."""
         serving = self.state.require_serving()
@@ -130,7 +130,7 @@ class GenerationService:
         model.num_requests += 1
         return model.response(req, vectors, tokens)
 
-    def finished(self, generation: "Generation") -> None:
+    def finished(self, generation: Generation) -> None:
         """A generation released its ticket: one that reached a worker counts for its version (rollout figures)."""
         rollout = self.state.rollout
         if rollout is None or generation.dispatched_at is None:

@@ -31,17 +31,25 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
-                      SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
+from ..config import (
+    DEFAULT_AUTOSCALE_WINDOW_S,
+    DEFAULT_MAX_QUEUE_REQUESTS,
+    DEFAULT_MAX_QUEUE_TOKENS,
+    DEFAULT_QUEUE_TIMEOUT_S,
+    DEFAULT_TENANT_QUEUE_SHARE,
+    DEFAULT_WORKER_QUEUE_DEPTH,
+    SETTLE_GIVE_UP_S,
+    SETTLE_RETRY_S,
+    TIERS,
+)
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient
 from .failover import Failover
 from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
-from .waiting_queue import WaitingQueue, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
+from .waiting_queue import Waiter, WaitingQueue
 
 log = logging.getLogger("inferd.gateway")
 
@@ -158,7 +166,7 @@ class DrainRate:
 class Ticket:
     """An admitted request: its reservation, its place in the queue, then its worker."""
 
-    def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
+    def __init__(self, gateway: Gateway, tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
                  decision: Decision, timeout: float, num_seqs: int = 1):
         self.gateway = gateway
         self.tenant = tenant
@@ -401,7 +409,8 @@ class Gateway:
                 if wait > ticket.timeout:
                     raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
                                      f"{ahead + w.expected_tokens:.0f} tokens of work ahead at {rate:.0f} tokens/s) "
-                                     f"is over this request's deadline ({ticket.timeout:g} s)", self._retry_after(ahead))
+                                     f"is over this request's deadline ({ticket.timeout:g} s)",
+                                     self._retry_after(ahead))
         queue.push(w)
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
@@ -506,8 +515,8 @@ class Gateway:
         return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
-        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the best band's:
-        if it has no room, no worse band has either."""
+        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the
+        best band's: if it has no room, no worse band has either."""
         self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:

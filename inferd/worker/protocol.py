@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 # the limits live with every other limit, in inferd/config.py
-from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
-from ..config import MAX_HELLO_STRING
+from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES, MAX_HELLO_STRING  # noqa: F401
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import InvalidRequestError, SamplingParams
 
@@ -53,13 +52,14 @@ _LENGTH = struct.Struct(">I")
 SEAL_TAG_BYTES = 16  # what sealing adds to a frame (AES-GCM's tag): the frame limit holds for the sealed frame
 
 # worker -> client
-CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "challenge", "hello", "outputs", "rejected", "heartbeat", "error"
+CHALLENGE, HELLO, OUTPUTS, REJECTED = "challenge", "hello", "outputs", "rejected"
+HEARTBEAT, ERROR = "heartbeat", "error"
 # client -> worker
 AUTH, ADD, ABORT, PING, SHUTDOWN = "auth", "add", "abort", "ping", "shutdown"
 CLIENT_MESSAGE_TYPES = frozenset({ADD, ABORT, PING, SHUTDOWN})
 WORKER_MESSAGE_TYPES = frozenset({CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR})
 NONCE_BYTES = 32
-_NONCE_HEX = re.compile(r"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
+_NONCE_HEX = re.compile(f"[0-9a-f]{{{2 * NONCE_BYTES}}}")
 
 
 # ---- the handshake --------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ class WorkerHello:
         return {"type": HELLO, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_wire(cls, message: dict[str, Any]) -> "WorkerHello":
+    def from_wire(cls, message: dict[str, Any]) -> WorkerHello:
         """Validated: every field of the right type and in range (a worker's announcement is not trusted);
         ProtocolError otherwise."""
         hello = cls(**{f.name: message[f.name] for f in dataclasses.fields(cls) if f.name in message})
@@ -308,7 +308,7 @@ class WorkerStats:
     draining: bool = False  # shutting down: takes no new request, its running ones finish within the grace period
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "WorkerStats":
+    def from_wire(cls, data: dict[str, Any]) -> WorkerStats:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
@@ -320,7 +320,7 @@ class WorkerOutput(RequestOutput):
     received_at: float = 0.0  # time.perf_counter() when its frame arrived (the client sets it; not on the wire)
 
     @classmethod
-    def from_wire(cls, entry: dict[str, Any]) -> "WorkerOutput":
+    def from_wire(cls, entry: dict[str, Any]) -> WorkerOutput:
         logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
                     for lp in entry.get("logprobs", [])]
         return cls(request_id=entry["request_id"], epoch=entry["epoch"], new_token_ids=entry["new_token_ids"],
