@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -29,8 +29,9 @@ from ..gateway.admission import Gateway, Ticket
 from ..gateway.failover import replaying
 from ..gateway.tenants import Tenant
 from ..models.tokenizer import IncrementalDetokenizer, TextWithStops
-from ..worker.client import WorkerDead
+from ..worker.client import WorkerClient, WorkerDead
 from ..worker.protocol import WorkerOutput
+from .embeddings import EmbeddingModel, EmbeddingRequest
 from .errors import APIError
 from .refusals import is_server_error, worker_error
 from .responses import complete
@@ -65,7 +66,7 @@ class GenerationService:
     def __init__(self, state):
         self.state = state
 
-    async def admit(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None) -> "Generation":
+    async def admit(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None) -> Generation:
         """Admission (quota, queue, overload): a Generation that holds the ticket from here on (nothing awaits
         between the two), or the refusal as an APIError (429, 503, ...)."""
         serving = self.state.require_serving()
@@ -81,7 +82,8 @@ class GenerationService:
             raise
 
     @asynccontextmanager
-    async def admitted(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None = None):
+    async def admitted(self, prep: Prepared, tenant: Tenant, band: int,
+                       queue_timeout: float | None = None) -> AsyncIterator[Generation]:
         """admit(), closed on the way out of the block whatever happens in it."""
         generation = await self.admit(prep, tenant, band, queue_timeout)
         try:
@@ -95,7 +97,8 @@ class GenerationService:
             await generation.start()
             return await complete(generation)
 
-    async def embed(self, model, req, tenant: Tenant, band: int, queue_timeout: float | None) -> dict:
+    async def embed(self, model: EmbeddingModel, req: EmbeddingRequest, tenant: Tenant, band: int,
+                    queue_timeout: float | None) -> dict:
         """An embedding request (model: the EmbeddingModel of the model it names) in OpenAI's shape: admitted in
         that model's own gateway (the same tenants' quotas), each input run on the bound worker (again on another
         when that one is lost: an embedding has no state to carry over), the ticket released on every way out."""
@@ -127,7 +130,7 @@ class GenerationService:
         model.num_requests += 1
         return model.response(req, vectors, tokens)
 
-    def finished(self, generation: "Generation") -> None:
+    def finished(self, generation: Generation) -> None:
         """A generation released its ticket: one that reached a worker counts for its version (rollout figures)."""
         rollout = self.state.rollout
         if rollout is None or generation.dispatched_at is None:
@@ -202,7 +205,7 @@ class Generation:
         self._driver = asyncio.get_running_loop().create_task(self._drive(streams))
         self._driver.add_done_callback(lambda _: self._release())  # runs even if cancelled before it started
 
-    def _choice_stream(self, index: int, worker) -> AsyncIterator[WorkerOutput]:
+    def _choice_stream(self, index: int, worker: WorkerClient) -> AsyncGenerator[WorkerOutput, None]:
         """One choice's outputs, moved to another worker (replayed from its journal) when its worker is lost."""
         prep, choice = self.prep, self.choices[index]
 
@@ -214,7 +217,7 @@ class Generation:
                          worker, choice.token_ids, started=lambda: any(c.token_ids for c in self.choices),
                          may_replay=lambda: not choice.finished, on_replay=on_replay)
 
-    async def _drive(self, streams: list) -> None:
+    async def _drive(self, streams: list[AsyncGenerator[WorkerOutput, None]]) -> None:
         try:
             if len(streams) == 1:  # the common case: no task per choice
                 await self._pump(0, streams[0])
@@ -234,7 +237,7 @@ class Generation:
         finally:
             self._events.put_nowait(_END)
 
-    async def _pump(self, index: int, stream) -> None:
+    async def _pump(self, index: int, stream: AsyncGenerator[WorkerOutput, None]) -> None:
         choice = self.choices[index]
         try:
             async for out in stream:
@@ -256,9 +259,9 @@ class Generation:
         self.ticket.finish(self.usage()["total_tokens"] if self.dispatched_at is not None else 0)
         self.service.finished(self)
 
-    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput, bool]]:
-        """Yields (choice, text delta, logprob entries, the output, whether it ended the choice) per step and
-        choice, until every choice is finished. Raises the first worker error."""
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput, bool, list]]:
+        """Yields (choice, text delta, logprob entries, the output, whether it ended the choice, tool-call deltas)
+        per step and choice, until every choice is finished. Raises the first worker error."""
         while True:
             item = await self._events.get()
             if item is _END:

@@ -28,19 +28,28 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config import (DEFAULT_AUTOSCALE_WINDOW_S, DEFAULT_MAX_QUEUE_REQUESTS, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_QUEUE_TIMEOUT_S,
-                      DEFAULT_TENANT_QUEUE_SHARE, DEFAULT_WORKER_QUEUE_DEPTH,
-                      SETTLE_GIVE_UP_S, SETTLE_RETRY_S, TIERS)
+from ..config import (
+    DEFAULT_AUTOSCALE_WINDOW_S,
+    DEFAULT_MAX_QUEUE_REQUESTS,
+    DEFAULT_MAX_QUEUE_TOKENS,
+    DEFAULT_QUEUE_TIMEOUT_S,
+    DEFAULT_TENANT_QUEUE_SHARE,
+    DEFAULT_WORKER_QUEUE_DEPTH,
+    SETTLE_GIVE_UP_S,
+    SETTLE_RETRY_S,
+    TIERS,
+)
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient
 from .failover import Failover
 from .leases import LeaseKeeper
 from .limits import Decision, InProcessLimiter, Limiter
-from .waiting_queue import WaitingQueue, Waiter
 from .router import NoWorkerAvailable, Router
 from .tenants import Tenant
+from .waiting_queue import Waiter, WaitingQueue
 
 log = logging.getLogger("inferd.gateway")
 
@@ -60,6 +69,7 @@ class RateLimited(Exception):
     @property
     def message(self) -> str:
         d, t = self.decision, self.tenant
+        assert d.reason is not None  # raised only for a refusal, and both limiters name every refusal's reason
         if d.reason == "too_large":
             return (f"Request too large for tenant {t.name}: it needs {self.tokens} tokens (prompt + max_tokens) "
                     f"but the tenant's limit is {t.tpm} tokens per {self.window:g} s. Reduce the prompt or "
@@ -156,7 +166,7 @@ class DrainRate:
 class Ticket:
     """An admitted request: its reservation, its place in the queue, then its worker."""
 
-    def __init__(self, gateway: "Gateway", tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
+    def __init__(self, gateway: Gateway, tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
                  decision: Decision, timeout: float, num_seqs: int = 1):
         self.gateway = gateway
         self.tenant = tenant
@@ -174,7 +184,7 @@ class Ticket:
         self.dispatch_seq = 0  # order of dispatch (1, 2, ...)
         self.dispatched_ahead = 0  # requests dispatched while this one waited
         self._dispatches_at_admission = gateway._num_dispatched
-        self._future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._future: asyncio.Future[WorkerClient] = asyncio.get_running_loop().create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._finished = False
         self._drained_prompt = False
@@ -270,8 +280,8 @@ class Gateway:
         self.closing = False  # the server is shutting down: nothing new is admitted, nothing is replayed
         # model version -> share of new requests (a rollout's canary); None: any version
         self.version_shares: dict[str, float] | None = None
-        self._version_counts: dict[str, int] = {}
-        self.on_bind: list = []  # callbacks (ticket) after every first dispatch (rollout statistics)
+        self._version_counts: dict[str | None, int] = {}  # by WorkerClient.version (None only before a hello)
+        self.on_bind: list[Callable[[Ticket], None]] = []  # called after every first dispatch (rollout statistics)
         self._arrivals: deque[tuple[float, float]] = deque()  # (time, expected tokens) of admitted requests
         self.open_by_tenant: dict[str, list[int]] = {}  # tenant -> [open tickets, their reserved tokens]
         self.leases = LeaseKeeper(self.limiter)  # the concurrency leases of open requests, renewed while they run
@@ -303,10 +313,10 @@ class Gateway:
         if prompt is not None:
             ticket.prompt_hashes = self.router.prompt_hashes(prompt, cache_salt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
-        ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
-                               payload=ticket)
+        waiter = ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
+                                        payload=ticket)
         try:
-            self._enqueue(ticket)
+            self._enqueue(ticket, waiter)
         except (Overloaded, QueueShareExceeded) as e:
             ticket.finish(0)
             self.count("overloaded" if isinstance(e, Overloaded) else "queue_share")
@@ -386,8 +396,8 @@ class Gateway:
         while self._settling:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
 
-    def _enqueue(self, ticket: Ticket) -> None:
-        w = ticket.waiter
+    def _enqueue(self, ticket: Ticket, w: Waiter) -> None:
+        """Puts the ticket (its waiter: w) in the queue, or raises Overloaded / QueueShareExceeded."""
         queue = self.queue
         if not queue.fits(w.reserved_tokens):
             self._shed_for(w)
@@ -404,7 +414,8 @@ class Gateway:
                 if wait > ticket.timeout:
                     raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
                                      f"{ahead + w.expected_tokens:.0f} tokens of work ahead at {rate:.0f} tokens/s) "
-                                     f"is over this request's deadline ({ticket.timeout:g} s)", self._retry_after(ahead))
+                                     f"is over this request's deadline ({ticket.timeout:g} s)",
+                                     self._retry_after(ahead))
         queue.push(w)
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
@@ -509,8 +520,8 @@ class Gateway:
         return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
-        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the best band's:
-        if it has no room, no worse band has either."""
+        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the
+        best band's: if it has no room, no worse band has either."""
         self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:

@@ -15,22 +15,63 @@ its stream goes on. Both halves live here:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..config import DEFAULT_REPLAY_TIMEOUT_S, MAX_REPLAYS_PER_REQUEST
 from ..engine.request import SamplingParams
 from ..worker.client import WorkerClient, WorkerDead, WorkerUnavailable
 from ..worker.protocol import WorkerOutput
+from .router import Router
+
+
+# What failover uses of the gateway and of its tickets, as Protocols: gateway/admission.py (Gateway, Ticket)
+# imports this module, so it cannot be imported here.
+class FailoverGateway(Protocol):
+    """The Gateway (gateway/admission.py), as failover sees it: the room lost requests take on its workers."""
+
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def router(self) -> Router: ...
+    @property
+    def failover(self) -> Failover: ...
+    def candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]: ...
+    def choose_version(self, band: int) -> str | None: ...
+    def load(self, worker: WorkerClient) -> int: ...
+    def take_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None: ...
+    def release_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None: ...
+    def pump(self) -> None: ...
+    def count(self, outcome: str) -> None: ...
+
+
+class FailoverTicket(Protocol):
+    """The gateway's Ticket (gateway/admission.py), as failover sees it: what it reads, and the worker it moves."""
+
+    worker: WorkerClient | None
+    version: str | None  # the model version it runs on (None: any)
+    num_replays: int
+
+    @property
+    def gateway(self) -> FailoverGateway: ...
+    @property
+    def band(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def prompt_hashes(self) -> list[bytes]: ...
+    @property
+    def finished(self) -> bool: ...
 
 
 @dataclass(eq=False)
 class _Pending:
     """A request whose worker was lost, waiting for another (ahead of the queue) until its timer fails it."""
-    ticket: object  # the gateway's Ticket
+    ticket: FailoverTicket
     lost: WorkerClient
     error: Exception
-    future: asyncio.Future
+    future: asyncio.Future[WorkerClient]
     timer: asyncio.TimerHandle | None = None
 
 
@@ -38,13 +79,14 @@ class Failover:
     """The gateway's requests waiting for a new worker. `gateway` is the Gateway whose room they take (its
     candidates, its count of requests per worker)."""
 
-    def __init__(self, gateway, timeout: float = DEFAULT_REPLAY_TIMEOUT_S):
+    def __init__(self, gateway: FailoverGateway, timeout: float = DEFAULT_REPLAY_TIMEOUT_S):
         self.gateway = gateway
         self.timeout = timeout  # seconds a lost request may wait for another worker (--replay-timeout)
         self._pending: list[_Pending] = []
-        self._rebinding: dict[object, asyncio.Future] = {}  # ticket -> the new worker it waits for
+        self._rebinding: dict[FailoverTicket, asyncio.Future[WorkerClient]] = {}  # ticket -> its new worker
 
-    async def rebind(self, ticket, lost: WorkerClient, error: Exception, started: bool = True) -> WorkerClient:
+    async def rebind(self, ticket: FailoverTicket, lost: WorkerClient, error: Exception,
+                     started: bool = True) -> WorkerClient:
         """The worker `ticket` was bound to can no longer run it: a worker of the same version with room, ahead of
         the queue. Every choice of the request calls this with the same lost worker and gets the same new one.
         Raises `error` when none can take it before the replay deadline (or at once when the gateway is shutting
@@ -59,7 +101,7 @@ class Failover:
             self._lost(ticket, lost, error, future)
         return await asyncio.shield(future)
 
-    def forget(self, ticket) -> None:
+    def forget(self, ticket: FailoverTicket) -> None:
         """The ticket is finished: a rebinding it still waits for is cancelled."""
         future = self._rebinding.pop(ticket, None)
         if future is not None and not future.done():
@@ -70,7 +112,8 @@ class Failover:
         """Sequences of the requests waiting for a new worker."""
         return sum(p.ticket.num_seqs for p in self._pending)
 
-    def _lost(self, ticket, lost: WorkerClient, error: Exception, future: asyncio.Future) -> None:
+    def _lost(self, ticket: FailoverTicket, lost: WorkerClient, error: Exception,
+              future: asyncio.Future[WorkerClient]) -> None:
         g = self.gateway
         g.release_room(lost, ticket.band, ticket.num_seqs)
         ticket.worker = None
@@ -101,9 +144,10 @@ class Failover:
         g = self.gateway
         waiting = []
         for pending in self._pending:
-            ticket, lost = pending.ticket, pending.lost
+            ticket, lost, timer = pending.ticket, pending.lost, pending.timer
+            assert timer is not None  # _lost sets it before the request joins _pending
             if pending.future.done() or ticket.finished:
-                pending.timer.cancel()
+                timer.cancel()
                 continue
             version = ticket.version or g.choose_version(ticket.band)
             candidates = [w for w in g.candidates(ticket.band, version, ticket.num_seqs) if w is not lost]
@@ -115,16 +159,16 @@ class Failover:
                 ticket.num_replays += 1
                 g.router.remember(worker, ticket.prompt_hashes)
                 g.count("replayed")
-                pending.timer.cancel()
+                timer.cancel()
                 pending.future.set_result(worker)
             elif g.closing or self._version_gone(ticket, lost, pending.error):
-                pending.timer.cancel()
+                timer.cancel()
                 self._fail(pending)
             else:
                 waiting.append(pending)
         self._pending = waiting
 
-    def _version_gone(self, ticket, lost: WorkerClient, error: Exception) -> bool:
+    def _version_gone(self, ticket: FailoverTicket, lost: WorkerClient, error: Exception) -> bool:
         """A drained worker (not a dead one, which is restarted) whose version has no other worker: nothing will
         come to take the request, so it fails now instead of at the replay deadline."""
         if isinstance(error, WorkerDead) or ticket.version is None:
@@ -133,10 +177,10 @@ class Failover:
                        for w in self.gateway.router.workers)
 
 
-async def replaying(ticket, request_id: str, prompt: list[int], params: SamplingParams, worker: WorkerClient,
-                    journal: list[int] | None, started: Callable[[], bool] = lambda: False,
+async def replaying(ticket: FailoverTicket, request_id: str, prompt: list[int], params: SamplingParams,
+                    worker: WorkerClient, journal: list[int] | None, started: Callable[[], bool] = lambda: False,
                     may_replay: Callable[[], bool] = lambda: True,
-                    on_replay: Callable[[Exception], None] | None = None) -> AsyncIterator[WorkerOutput]:
+                    on_replay: Callable[[Exception], None] | None = None) -> AsyncGenerator[WorkerOutput, None]:
     """One sequence's outputs from `worker` (ticket's: its gateway's router sends it), replayed on the worker the
     gateway rebinds the ticket to whenever its worker is lost, up to MAX_REPLAYS_PER_REQUEST times. journal: the
     token ids generated so far, extended here (None: nothing to carry over, the sequence runs again from its prompt).

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from ..config import PREFIX_AFFINITY_MAX_BLOCKS, PREFIX_AFFINITY_MIN_BLOCKS
 from ..engine.kv_cache import hash_prompt_blocks
@@ -184,7 +184,7 @@ class Router:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        worker: WorkerClient | None = None, num_prompt_tokens: int | None = None
-                       ) -> AsyncIterator[WorkerOutput]:
+                       ) -> AsyncGenerator[WorkerOutput, None]:
         """The request's outputs, step by step, from `worker` (default: pick()). Raises NoWorkerAvailable before
         anything was sent, else what WorkerClient.generate raises. Leaving the iteration early aborts the request in
         the worker. num_prompt_tokens: a replay (the tail of prompt_token_ids is output already sent)."""

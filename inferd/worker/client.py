@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,11 +147,11 @@ class WorkerClient:
         self._dead: WorkerDead | None = None
         self._loop = asyncio.get_running_loop()
         self._last_seen = self._loop.time()
-        self._hello: asyncio.Future = self._loop.create_future()
-        self._closed: asyncio.Future = self._loop.create_future()  # resolved when the worker is dead to us
+        self._hello: asyncio.Future[WorkerHello] = self._loop.create_future()
+        self._closed: asyncio.Future[WorkerDead] = self._loop.create_future()  # its reason, once dead to us
         self._heartbeat = asyncio.Event()  # set and replaced at every heartbeat
         self._transport: asyncio.Transport | None = None
-        self._watchdog: asyncio.Task | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(cls, host: str, port: int, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
@@ -180,7 +180,7 @@ class WorkerClient:
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       num_prompt_tokens: int | None = None, epoch: int = 0) -> AsyncIterator[WorkerOutput]:
+                       num_prompt_tokens: int | None = None, epoch: int = 0) -> AsyncGenerator[WorkerOutput, None]:
         """Yields the request's outputs step by step; the last has finished=True. Raises RequestRejected,
         RequestFailed or WorkerDead. Leaving the iteration early (break + aclose, or cancellation) aborts it."""
         self._check_alive()
@@ -239,23 +239,27 @@ class WorkerClient:
 
     async def wait_dead(self) -> WorkerDead:
         """Returns, with the reason, once the worker is dead to this client (closed, killed, silent or broken)."""
-        await asyncio.shield(self._closed)
-        return self._dead
+        return await asyncio.shield(self._closed)
 
     async def next_heartbeat(self) -> WorkerStats:
         """The stats of the next heartbeat to arrive (WorkerDead if the worker dies first)."""
         heartbeat = self._heartbeat
         await heartbeat.wait()  # the watchdog bounds this wait: death wakes it
-        self._check_alive()
-        return self.latest_stats
+        return self._heartbeat_stats()
 
     async def ping(self) -> WorkerStats:
         """The stats of a heartbeat sent after this call (the worker answers a ping with one at once)."""
         heartbeat = self._heartbeat
         self._send(ping_message())
         await heartbeat.wait()
+        return self._heartbeat_stats()
+
+    def _heartbeat_stats(self) -> WorkerStats:
+        """The stats once a heartbeat waiter woke: set by that heartbeat, or the worker died (WorkerDead)."""
         self._check_alive()
-        return self.latest_stats
+        stats = self.latest_stats
+        assert stats is not None  # only a heartbeat (which sets them first) or death wakes the waiters
+        return stats
 
     async def wait_for_stats(self, predicate: Callable[[WorkerStats], bool], timeout: float) -> WorkerStats:
         """Waits for heartbeat stats that satisfy predicate; TimeoutError (with the last stats) after timeout."""
@@ -287,7 +291,7 @@ class WorkerClient:
     async def __aenter__(self) -> WorkerClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # ---- incoming -------------------------------------------------------------------------------------------
@@ -301,7 +305,7 @@ class WorkerClient:
                     raise ProtocolError(f"a {message['type']!r} message before the worker's challenge")
                 self._on_challenge(message)
                 return
-            message = decode_message(self._open(body), WORKER_MESSAGE_TYPES)
+            message = decode_message(self._open(self._opener, body), WORKER_MESSAGE_TYPES)
             kind = message["type"]
             if (self.hello is None) != (kind == HELLO) or kind == CHALLENGE:
                 raise ProtocolError(f"a {kind!r} message {'before' if self.hello is None else 'after'} the worker's "
@@ -321,12 +325,13 @@ class WorkerClient:
             raise ProtocolError("a challenge without a valid nonce")
         ours = new_nonce()
         self._nonces = (worker_nonce, ours)
+        assert self._transport is not None  # connection_made set it before any byte arrived
         self._transport.write(encode_frame(auth_message(ours, client_proof(self._secret, worker_nonce, ours))))
         self._sealer, self._opener = channel(self._secret, worker_nonce, ours, worker_side=False)
 
-    def _open(self, sealed: bytes) -> bytes:
+    def _open(self, opener: Opener, sealed: bytes) -> bytes:
         try:
-            return self._opener.open(sealed)
+            return opener.open(sealed)
         except ProtocolError as e:
             if self.hello is None:  # the hello is the first sealed frame: the worker's proof
                 unsealed = _unsealed_type(sealed)
@@ -429,13 +434,13 @@ class WorkerClient:
     def _declare_dead(self, reason: str, abort: bool = True) -> None:
         if self._dead is not None:
             return
-        self._dead = WorkerDead(reason)
+        dead = self._dead = WorkerDead(reason)
         for stream in self._streams.values():
             stream.queue.put_nowait(WorkerDead(reason))
         if not self._hello.done():
             self._hello.set_exception(WorkerDead(reason))
         if not self._closed.done():
-            self._closed.set_result(None)
+            self._closed.set_result(dead)
         self._wake_heartbeat_waiters()
         if self._transport is not None:
             self._transport.abort() if abort else self._transport.close()
@@ -450,6 +455,9 @@ class WorkerClient:
 
     def _write(self, body: bytes) -> None:
         """Seals and writes at once, on the event loop: frames leave in the order of their counters."""
+        # only sealed frames come here, all sent once connect returned (the hello opened): by then the connection
+        # and the keys exist
+        assert self._transport is not None and self._sealer is not None
         self._transport.write(frame(self._sealer.seal(body)))
 
 

@@ -37,11 +37,10 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 # the limits live with every other limit, in inferd/config.py
-from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES  # noqa: F401
-from ..config import MAX_HELLO_STRING
+from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES, MAX_HELLO_STRING  # noqa: F401
 from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import SamplingParams
@@ -54,13 +53,14 @@ _LENGTH = struct.Struct(">I")
 SEAL_TAG_BYTES = 16  # what sealing adds to a frame (AES-GCM's tag): the frame limit holds for the sealed frame
 
 # worker -> client
-CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR = "challenge", "hello", "outputs", "rejected", "heartbeat", "error"
+CHALLENGE, HELLO, OUTPUTS, REJECTED = "challenge", "hello", "outputs", "rejected"
+HEARTBEAT, ERROR = "heartbeat", "error"
 # client -> worker
 AUTH, ADD, ABORT, PING, SHUTDOWN = "auth", "add", "abort", "ping", "shutdown"
 CLIENT_MESSAGE_TYPES = frozenset({ADD, ABORT, PING, SHUTDOWN})
 WORKER_MESSAGE_TYPES = frozenset({CHALLENGE, HELLO, OUTPUTS, REJECTED, HEARTBEAT, ERROR})
 NONCE_BYTES = 32
-_NONCE_HEX = re.compile(r"[0-9a-f]{%d}" % (2 * NONCE_BYTES))
+_NONCE_HEX = re.compile(f"[0-9a-f]{{{2 * NONCE_BYTES}}}")
 
 
 # ---- the handshake --------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def proof_matches(expected: str, given: Any) -> bool:
     return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
 
 
-def valid_nonce(value: Any) -> bool:
+def valid_nonce(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and _NONCE_HEX.fullmatch(value) is not None
 
 
@@ -217,7 +217,8 @@ def sampling_params_from_dict(data: Any) -> SamplingParams:
         value = data.get(name, [])
         if not isinstance(value, list) or not all(_is(v, item_type) for v in value):
             raise InvalidRequestError(f"{name} must be a list of {item_type.__name__}, got {value!r}")
-    return SamplingParams(**{k: list(v) if isinstance(v, list) else v for k, v in data.items()})
+    values: dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in data.items()}
+    return SamplingParams(**values)
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -249,7 +250,7 @@ class WorkerHello:
         return {"type": HELLO, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_wire(cls, message: dict[str, Any]) -> "WorkerHello":
+    def from_wire(cls, message: dict[str, Any]) -> WorkerHello:
         """Validated: every field of the right type and in range (a worker's announcement is not trusted);
         ProtocolError otherwise."""
         hello = cls(**{f.name: message[f.name] for f in dataclasses.fields(cls) if f.name in message})
@@ -308,7 +309,7 @@ class WorkerStats:
     draining: bool = False  # shutting down: takes no new request, its running ones finish within the grace period
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "WorkerStats":
+    def from_wire(cls, data: dict[str, Any]) -> WorkerStats:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
@@ -320,7 +321,7 @@ class WorkerOutput(RequestOutput):
     received_at: float = 0.0  # time.perf_counter() when its frame arrived (the client sets it; not on the wire)
 
     @classmethod
-    def from_wire(cls, entry: dict[str, Any]) -> "WorkerOutput":
+    def from_wire(cls, entry: dict[str, Any]) -> WorkerOutput:
         logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
                     for lp in entry.get("logprobs", [])]
         return cls(request_id=entry["request_id"], epoch=entry["epoch"], new_token_ids=entry["new_token_ids"],
@@ -330,14 +331,15 @@ class WorkerOutput(RequestOutput):
                    logprobs=logprobs, embedding=_decode_vector(entry.get("embedding")))
 
 
-def output_entry(out, epoch: int) -> dict[str, Any]:
+def output_entry(out: RequestOutput, epoch: int) -> dict[str, Any]:
     """One engine RequestOutput as an entry of an `outputs` message."""
     entry = {"request_id": out.request_id, "epoch": epoch, "new_token_ids": out.new_token_ids,
              "finished": out.finished, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
              "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
              "num_cached_tokens": out.num_cached_tokens}
-    if getattr(out, "embedding", None) is not None:  # float32 little-endian, base64: a quarter of JSON's size
-        entry["embedding"] = base64.b64encode(struct.pack(f"<{len(out.embedding)}f", *out.embedding)).decode()
+    embedding = out.embedding
+    if embedding is not None:  # float32 little-endian, base64: a quarter of JSON's size
+        entry["embedding"] = base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode()
     if out.logprobs:
         entry["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
                               "top": [[t, _finite_logprob(v)] for t, v in lp.top]} for lp in out.logprobs]
