@@ -101,6 +101,7 @@ class Connection:
         """The next frame's body, opened (blocking; the reader thread's); None at a clean end of stream. A fatal
         ProtocolError when it does not open."""
         sealed = read_frame(self.sock)
+        assert self.opener is not None  # the reader thread starts once the handshake has set it
         return None if sealed is None else self.opener.open(sealed)
 
     def release(self) -> None:
@@ -238,9 +239,9 @@ class WorkerServer:
                 conn.sock.settimeout(None)
         if message is not None:
             client_nonce = message.get("nonce")
-            problem = "an auth message without a valid nonce" if not valid_nonce(client_nonce) else None
-            if problem is None and not proof_matches(client_proof(self.secret, nonce, client_nonce),
-                                                     message.get("proof")):
+            if not valid_nonce(client_nonce):
+                problem = "an auth message without a valid nonce"
+            elif not proof_matches(client_proof(self.secret, nonce, client_nonce), message.get("proof")):
                 problem = "its proof does not match: it does not know the shared secret"
         if message is None and problem is None:  # a port scan or a TCP probe: routine, not worth a warning
             log.debug("connection from %s closed before the handshake", conn.address)
@@ -248,6 +249,7 @@ class WorkerServer:
         if problem is not None:
             log.warning("connection from %s failed the handshake (%s): closed", conn.address, problem)
             return False
+        assert valid_nonce(client_nonce)  # a message without one has a problem (above)
         # the hello is the first sealed frame (opening it is the worker's proof), sent before heartbeats can reach it
         conn.sealer, conn.opener = channel(self.secret, nonce, client_nonce, worker_side=True)
         conn.send(self.hello.to_wire())
