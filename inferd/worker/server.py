@@ -39,17 +39,45 @@ from typing import Any
 
 import torch
 
-from ..config import (DEFAULT_MODEL_VERSION, DEFAULT_SHUTDOWN_GRACE_S, MAX_HANDSHAKE_FRAME_BYTES,
-                      MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_ADDRESS, WORKER_HANDSHAKE_TIMEOUT_S,
-                      EngineConfig)
-from ..engine import Engine, InvalidRequestError
+from ..config import (
+    DEFAULT_MODEL_VERSION,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    MAX_HANDSHAKE_FRAME_BYTES,
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_HANDSHAKES_PER_ADDRESS,
+    WORKER_HANDSHAKE_TIMEOUT_S,
+    EngineConfig,
+)
+from ..engine.engine import Engine
+from ..engine.errors import InvalidRequestError
 from ..engine.protocol import EngineProtocol
 from .engine_loop import EngineLoop
 from .faults import FaultInjector
-from .protocol import (ABORT, ADD, AUTH, CLIENT_MESSAGE_TYPES, DEFAULT_HEARTBEAT_INTERVAL, PING, PROTOCOL_VERSION,
-                       SHUTDOWN, ProtocolError, WorkerHello, challenge_message, client_proof, decode_message,
-                       encode_body, error_message, frame, heartbeat_message, new_nonce, parse_add, proof_matches,
-                       read_frame, rejected_message, valid_nonce)
+from .protocol import (
+    ABORT,
+    ADD,
+    AUTH,
+    CLIENT_MESSAGE_TYPES,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    PING,
+    PROTOCOL_VERSION,
+    SHUTDOWN,
+    ProtocolError,
+    WorkerHello,
+    challenge_message,
+    client_proof,
+    decode_message,
+    encode_body,
+    error_message,
+    frame,
+    heartbeat_message,
+    new_nonce,
+    parse_add,
+    proof_matches,
+    read_frame,
+    rejected_message,
+    valid_nonce,
+)
 from .sealing import Opener, Sealer, channel
 
 log = logging.getLogger("inferd.worker")
