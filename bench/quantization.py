@@ -205,7 +205,7 @@ def main() -> int:
         for key in runs:
             times[key] = []
         with OtherLoad() as load:
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 for key, run in runs.items():
                     times[key].append(run.mean_step_s(args.steps))
         note = "?" if load.share is None else f"{load.share:.0%}" + ("  <- BUSY" if load.share > 0.05 else "")

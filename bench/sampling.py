@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.engine import Engine, SamplingParams  # noqa: E402
-from inferd.models.step_row import StepRow  # noqa: E402
 from inferd.engine.sampler import sample_row, sample_rows  # noqa: E402
+from inferd.models.step_row import StepRow  # noqa: E402
 
 TEXT = ("Write a long story. " * 3 + "The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the "
         "Moon, and Neil Armstrong became the first person to walk on its surface. Photosynthesis turns light, water "
@@ -66,8 +66,8 @@ def main() -> int:
                                                                 dict(temperature=0.7, top_p=0.9))):
         params = SamplingParams(max_tokens=1, **kw)
         us = [rnd.random() for _ in range(len(logits))]
-        batched = timed(lambda: sample_rows(logits, [params] * len(logits), us))
-        per_row = timed(lambda: [sample_row(logits[r], params, us[r]) for r in range(len(logits))])
+        batched = timed(lambda params=params, us=us: sample_rows(logits, [params] * len(logits), us))
+        per_row = timed(lambda params=params, us=us: [sample_row(logits[r], params, us[r]) for r in range(len(logits))])
         same = sum(a == b for a, b in zip(sample_rows(logits, [params] * len(logits), us),
                                           [sample_row(logits[r], params, us[r]) for r in range(len(logits))]))
         print(f"{name}: {len(logits)} rows batched {batched:.1f} ms, one sort per row {per_row:.1f} ms "

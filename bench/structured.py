@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inferd.config import EngineConfig, resolve_dtype  # noqa: E402

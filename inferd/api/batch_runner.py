@@ -30,12 +30,20 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
-from ..config import (BATCH_BUSY_COOLDOWN_S, BATCH_RETENTION_S, BATCH_RETRY_MAX_S, BATCH_RETRY_S,
-                      BATCH_SWEEP_INTERVAL_S, BATCH_VALIDATIONS, BUSY_BATCH_CONCURRENCY, DEFAULT_BATCH_CONCURRENCY,
-                      MAX_REQUEST_BODY_BYTES)
+from ..config import (
+    BATCH_BUSY_COOLDOWN_S,
+    BATCH_RETENTION_S,
+    BATCH_RETRY_MAX_S,
+    BATCH_RETRY_S,
+    BATCH_SWEEP_INTERVAL_S,
+    BATCH_VALIDATIONS,
+    BUSY_BATCH_CONCURRENCY,
+    DEFAULT_BATCH_CONCURRENCY,
+    MAX_REQUEST_BODY_BYTES,
+)
 from .batch_input import parse_input
 from .batches import ACTIVE, BatchStore
 
@@ -64,8 +72,9 @@ def backoff(attempt: int, retry_after: float | None = None) -> float:
 @dataclass
 class Pause:
     """What busy answers say to the runner, for one tenant or for all: start nothing before `until` (monotonic
-    seconds). The back-off doubles with each refusal of a line started after the pause was last set; the refusals of
-    lines already in flight then are the same burst: they may lengthen the pause (their Retry-After), never double it."""
+    seconds). The back-off doubles with each refusal of a line started after the pause was last set; the refusals
+    of lines already in flight then are the same burst: they may lengthen the pause (their Retry-After), never
+    double it."""
     until: float = float("-inf")
     refusals: int = 0  # consecutive refused bursts
     set_at: float = float("-inf")

@@ -24,8 +24,9 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import MAX_ACTIVE_BATCHES_PER_TENANT, MAX_BATCH_WINDOW_S
 from .errors import APIError, invalid
@@ -352,8 +353,8 @@ class BatchStore:
     def pending_lines(self, batch_id: str, exclude: set[int], limit: int) -> list[dict]:
         """Up to limit pending lines not in exclude, first in the file first (only those are read whole: a body can
         be as large as an HTTP request's)."""
-        numbers = [r["line_no"] for r in self._q("SELECT line_no FROM lines WHERE batch_id = ? AND status = "
-                                                 "'pending' ORDER BY line_no LIMIT ?", (batch_id, limit + len(exclude)))]
+        query = "SELECT line_no FROM lines WHERE batch_id = ? AND status = 'pending' ORDER BY line_no LIMIT ?"
+        numbers = [r["line_no"] for r in self._q(query, (batch_id, limit + len(exclude)))]
         chosen = [n for n in numbers if n not in exclude][:limit]
         if not chosen:
             return []
@@ -383,8 +384,8 @@ class BatchStore:
                  errors: list[dict] | None = None) -> None:
         """Writes the output and error files (lines in input order; lines never run: an error with
         unfinished_code, for an expired or cancelled batch or one whose tenant is gone), moves the batch to
-        final_status (with the batch's errors, if given) in one transaction, then deletes its lines. Idempotent: a crash before that transaction leaves the batch as it
-        was (its files orphans, dropped at start)."""
+        final_status (with the batch's errors, if given) in one transaction, then deletes its lines. Idempotent: a
+        crash before that transaction leaves the batch as it was (its files orphans, dropped at start)."""
         batch_id = batch["id"]
         rows = self._q("SELECT line_no, custom_id, status, result FROM lines WHERE batch_id = ? ORDER BY line_no",
                        (batch_id,))

@@ -15,8 +15,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from ..config import (MAX_IDENTIFIER_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, MAX_PROMPTS_PER_REQUEST,
-                      MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
+from ..config import (
+    MAX_IDENTIFIER_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+)
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -143,7 +152,7 @@ class ChatMessage(_Strict):
     tool_call_id: Identifier | None = None
 
     @model_validator(mode="after")
-    def _content_needed(self) -> "ChatMessage":
+    def _content_needed(self) -> ChatMessage:
         # OpenAI: only an assistant message (one that carries tool calls) may have null content
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or a list of content parts), not null")

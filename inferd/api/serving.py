@@ -231,10 +231,10 @@ class OpenAIServing:
         check = getattr(self.tokenizer, "contains_special_text", None)
         for i, m in enumerate(messages):
             # a template prints these outside the message contents, where a special token's text becomes the token
-            for field, value in (("name", m.name), ("tool_call_id", m.tool_call_id)):
+            for key, value in (("name", m.name), ("tool_call_id", m.tool_call_id)):
                 if value is not None and check is not None and check(value):
-                    raise invalid(f"messages[{i}].{field} must not contain the text of the model's special tokens",
-                                  param=f"messages[{i}].{field}")
+                    raise invalid(f"messages[{i}].{key} must not contain the text of the model's special tokens",
+                                  param=f"messages[{i}].{key}")
             # the template knows system, user and assistant; OpenAI's developer role is the system role renamed
             message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
@@ -321,7 +321,7 @@ class OpenAIServing:
             min_tokens = req.min_tokens or 0
             if min_tokens > budget:
                 raise invalid(f"min_tokens ({min_tokens}) is over max_tokens ({budget})", param="min_tokens")
-            for i in range(n):
+            for _ in range(n):
                 params = self._sampling_params(req, budget, logprobs, seed + len(param_list))
                 params.structured, params.logit_bias = spec, bias
                 param_list.append(params)

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -224,7 +225,7 @@ class DecodeGraphs:
 
     def _load_padding(self) -> None:
         """Every row padding, at every shape (capture's warm-up runs then write only the scratch block)."""
-        h, (o_ids, o_pos, o_slot, o_len, o_tab) = self._host, self._offsets
+        h, (o_ids, _, o_slot, o_len, o_tab) = self._host, self._offsets
         h[o_ids:o_slot] = 0
         h[o_slot:o_len] = self.scratch_block * self.block_size
         h[o_len:o_tab] = 1

@@ -173,7 +173,7 @@ class Engine:
         self._on_schedule: ScheduleHook | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress=None) -> "Engine":
+    def from_config(cls, config: EngineConfig, progress=None) -> Engine:
         """progress(done, total): called as weight tensors load."""
         from ..models.build import load_model
         from ..models.loader import default_model_path

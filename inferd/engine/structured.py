@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import MAX_STRUCTURED_CHARS
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # JSON schemas compile with a bounded run of whitespace between tokens: a small model at temperature 1 otherwise

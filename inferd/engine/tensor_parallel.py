@@ -28,8 +28,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..config import (DEFAULT_KV_CACHE_BYTES, TENSOR_PARALLEL_TIMEOUT_S, WORKER_START_TIMEOUT_S, EngineConfig,
-                      resolve_dtype, resolve_kv_dtype)
+from ..config import (
+    DEFAULT_KV_CACHE_BYTES,
+    TENSOR_PARALLEL_TIMEOUT_S,
+    WORKER_START_TIMEOUT_S,
+    EngineConfig,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from ..models.parallel import build_shard, check_tensor_parallel
 from ..models.step_row import StepRow
 from .runner import ModelRunner, kv_bytes_per_block
@@ -205,7 +211,8 @@ def load_tensor_parallel(path: str, config: EngineConfig, dtype: torch.dtype, pr
     check_tensor_parallel(model_config, tp)
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
     # a rank's pool: --kv-cache-bytes, else the default (not yet sized from the card under tensor parallelism)
-    num_blocks = (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // kv_bytes_per_block(model_config, config.block_size, kv_dtype, tp)
+    block_bytes = kv_bytes_per_block(model_config, config.block_size, kv_dtype, tp)
+    num_blocks = (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // block_bytes
     group = TensorParallelGroup.start(path, config, dtype, num_blocks)
     try:
         state = load_state_dict(path, model_config, dtype, progress)
@@ -252,8 +259,8 @@ def run_rank(spec: dict) -> int:
     """A child rank: join the group, load this rank's shard, then run every step rank 0 sends until end of file."""
     import signal
 
-    from ..models.loader import load_model_config, load_state_dict
     from .. import kernels
+    from ..models.loader import load_model_config, load_state_dict
     from ..models.quantize import quantize_model
 
     _exit_when_parent_dies(spec["parent_pid"])

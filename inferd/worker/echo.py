@@ -68,7 +68,7 @@ class EchoEngine:
         self._on_schedule: ScheduleHook | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "EchoEngine":
+    def from_config(cls, config: EngineConfig) -> EchoEngine:
         """Reads the model's config.json or GGUF metadata only (the cheapest source of vocab_size and context)."""
         from ..models.loader import default_model_path, load_model_config
 

@@ -49,7 +49,7 @@ class FaultSpec:
     seed: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         fields: dict[str, str] = {}
         for part in text.split(","):
             key, sep, value = part.strip().partition("=")
@@ -84,7 +84,7 @@ class FaultInjector:
         self._watching = False  # seed: the engine calls _scheduled in each step
 
     @classmethod
-    def from_env(cls, worker_id: str, version: str) -> "FaultInjector | None":
+    def from_env(cls, worker_id: str, version: str) -> FaultInjector | None:
         text = os.environ.get(ENV)
         if not text:
             return None

@@ -8,12 +8,12 @@ import argparse
 
 import pytest
 import torch
-from parity import Reference, assert_greedy_parity, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.cuda_graph import DecodeGraphSpec, batch_ladder, context_buckets, wants_decode_graphs
 from inferd.engine.runner import ModelRunner, kv_bytes_per_block
+from parity import Reference, assert_greedy_parity, run_staggered
 
 BLOCK = 16
 MAX_MODEL_LEN = 256  # the micro model's context: 16 blocks

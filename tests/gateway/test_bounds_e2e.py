@@ -14,9 +14,8 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from starlette.requests import Request
-
 from gw import bearer, make_keys
+from starlette.requests import Request
 
 STEP_MS = 20
 WINDOW = 600.0

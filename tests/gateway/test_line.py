@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from inferd.config import FAIRNESS_OUTPUT_WEIGHT, FAIRNESS_PROMPT_WEIGHT
-from inferd.gateway.waiting_queue import Waiter, WaitingQueue as WaitingLine
+from inferd.gateway.waiting_queue import Waiter
+from inferd.gateway.waiting_queue import WaitingQueue as WaitingLine
 
 
 def waiter(tenant: str, prompt: int, output: int, band: int = 1, weight: float = 1.0) -> Waiter:

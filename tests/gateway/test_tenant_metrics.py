@@ -9,7 +9,6 @@ import json
 
 import httpx
 import pytest
-
 from gw import bearer, completion, make_keys
 
 ADMIN = "tenant-metrics-admin-key"

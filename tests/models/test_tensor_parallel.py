@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from parity import Reference, assert_greedy_parity, assert_sampling_match, row_diff, run_staggered
 
 from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.config import ModelConfig
 from inferd.models.parallel import check_tensor_parallel
+from parity import Reference, assert_greedy_parity, assert_sampling_match, row_diff, run_staggered
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,8 +178,8 @@ def test_child_rank_exits_when_the_engine_process_is_killed(tiny_llama_dir):
 def test_step_encoding_round_trips():
     import io
 
-    from inferd.models.step_row import StepRow
     from inferd.engine.tensor_parallel import encode_step, read_step
+    from inferd.models.step_row import StepRow
 
     rows = [StepRow([7], 40, [3, 9, 11], True), StepRow(list(range(20)), 0, [5, 6], False),
             StepRow([1, 2], 16, [], False)]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from servers import kill_group, start_server
 
 from inferd.config import EngineConfig
 from inferd.engine import InvalidRequestError, SamplingParams
 from inferd.worker.echo import EchoEngine
 from inferd.worker.server import build_hello
+from servers import kill_group, start_server
 
 MAX_MODEL_LEN = 256
 
