@@ -170,7 +170,8 @@ def engine_side(args, path: str, shape: dict, cuda_graphs: bool, batches: list[i
     engine = Engine.from_config(engine_config(args, path, kv_bytes, max_batch, cuda_graphs, kernels))
     load_s = time.perf_counter() - started
     graphs = engine.runner.decode_graphs
-    out = {"cuda_graphs_flag": cuda_graphs, "kernels": engine.runner.model.ops.name, "load_s": load_s, "graphs_captured": len(graphs.graphs) if graphs else 0,
+    out = {"cuda_graphs_flag": cuda_graphs, "kernels": engine.runner.model.ops.name, "load_s": load_s,
+           "graphs_captured": len(graphs.graphs) if graphs else 0,
            "capture_s": graphs.capture_seconds if graphs else 0.0,
            "capture_bytes": graphs.capture_bytes if graphs else 0, "kv_blocks": engine.kv_cache.num_blocks}
     vocab = shape["vocab_size"]
@@ -339,7 +340,8 @@ def summary_lines(report: dict) -> list[str]:
                      f"{g['kernels']} against {t['kernels']}")
         for gp, ep, tp, hp in zip(g["points"], e["points"], t["points"], m["hf_generate"]["points"]):
             mbu = f" MBU {gp['decode_mbu']:.1%}" if gp.get("decode_mbu") is not None else ""
-            lines.append(f"  batch {gp['batch']:3d}: graphs {gp['tokens_per_s']:9.1f} tok/s {_ms(gp):>7s} ms/step{mbu} | "
+            lines.append(f"  batch {gp['batch']:3d}: graphs {gp['tokens_per_s']:9.1f} tok/s "
+                         f"{_ms(gp):>7s} ms/step{mbu} | "
                          f"eager {ep['tokens_per_s']:9.1f} tok/s {_ms(ep):>7s} ms/step | "
                          f"torch attention {tp['tokens_per_s']:9.1f} tok/s | "
                          f"transformers {hp['tokens_per_s']:9.1f} tok/s | graphs/eager "
@@ -461,7 +463,8 @@ def main(argv=None) -> int:
 
     p = peaks(device, getattr(torch, args.dtype))
     report["peaks"] = {"bandwidth": p.bandwidth, "flops": p.flops, "source": p.source}
-    print(f"[peaks] {p.bandwidth / 1e9:.1f} GB/s, {p.flops / 1e12:.2f} TFLOP/s in {args.dtype} ({p.source})", flush=True)
+    print(f"[peaks] {p.bandwidth / 1e9:.1f} GB/s, {p.flops / 1e12:.2f} TFLOP/s in {args.dtype} ({p.source})",
+          flush=True)
     save()
     with tempfile.TemporaryDirectory(prefix="inferd-gpu-check-") as workdir:
         for name in args.models.split(","):

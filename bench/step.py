@@ -105,7 +105,8 @@ def main() -> int:
             mid = pts[len(pts) // 2]
             table.setdefault(key, {})[v] = {"ms": mid.step_s * 1000, "tok_s": mid.tokens_per_s, "mbu": mid.mbu,
                                             "mfu": mid.mfu, "vs_first": base / mid.step_s}
-            cells.append(f"{mid.step_s * 1000:7.2f} ms {mid.tokens_per_s:7.0f} t/s MBU {mid.mbu:4.0%} x{base / mid.step_s:4.2f}")
+            cells.append(f"{mid.step_s * 1000:7.2f} ms {mid.tokens_per_s:7.0f} t/s MBU {mid.mbu:4.0%} "
+                         f"x{base / mid.step_s:4.2f}")
         print(f"{key:14s} " + " ".join(f"{c:>34s}" for c in cells))
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "context": args.context,

@@ -156,7 +156,9 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict] | None, na
         calls = m.pop("tool_calls", None)
         m.pop("tool_call_id", None)
         if calls:
-            written = [f'<tool_call>\n{json.dumps({"name": c["function"]["name"], "arguments": _arguments_value(c["function"].get("arguments"))}, ensure_ascii=False)}\n</tool_call>'
+            written = ["<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                     "arguments": _arguments_value(c["function"].get("arguments"))},
+                                                    ensure_ascii=False) + "\n</tool_call>"
                        for c in calls]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + written)
         if m.get("content") is None:

@@ -57,7 +57,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
         class _Tee:
             def write(self, s):
-                text.append(s)
+                text.append(s)  # noqa: B023 -- stream() below is the only user of this tee, within this iteration
                 sys.stdout.write(s)
 
             def flush(self):

@@ -64,9 +64,9 @@ class WorkerPool:
         new = []
         for _ in range(count):
             index = next(self._ids)
-            new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router, f"{self.name_prefix}-{index}",
-                                   self.heartbeat_timeout, on_attach=self.on_attach, version=version,
-                                   secret=self.secret))
+            new.append(LocalWorker(spread_devices(self.args_for(version), index), self.router,
+                                   f"{self.name_prefix}-{index}", self.heartbeat_timeout, on_attach=self.on_attach,
+                                   version=version, secret=self.secret))
         self.workers.extend(new)
         results = await asyncio.gather(*(w.start() for w in new), return_exceptions=True)
         error = None

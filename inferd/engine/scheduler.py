@@ -129,8 +129,8 @@ class Scheduler:
                 budget -= 1 + k
                 draft_budget -= k
         # a more important request in prefill (running with prompt left, or the head of the line): the decodes and
-        # prefill chunks of less important requests sit this step out, so that its first token does not wait for a step that also
-        # runs theirs (the batch tier yields to interactive). They run again in this very step if that request
+        # prefill chunks of less important requests sit this step out, so that its first token does not wait for a step
+        # that also runs theirs (the batch tier yields to interactive). They run again in this very step if that request
         # does not get in after all (no room), so nothing waits on a request that cannot run.
         pending = [r.params.priority for r in prefilling] + ([self.waiting[0].params.priority] if self.waiting else [])
         urgent = min(pending, default=None)

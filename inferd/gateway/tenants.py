@@ -186,7 +186,8 @@ class KeyStore:
             raise
 
 
-_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group", "allow_grammar")  # a tenant's fields in the keys file
+# a tenant's fields in the keys file
+_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group", "allow_grammar")
 ANONYMOUS_TENANT = Tenant(ANONYMOUS, builtin=True)
 DEFAULT_TENANT = Tenant(DEFAULT, builtin=True)
 

@@ -74,7 +74,8 @@ def _command(compiler: str, out: Path) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libdirs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w",
+    return [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
+            "-std=c++17", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, f"-I{sysconfig.get_paths()['include']}",
             str(SOURCE), "-o", str(out),
             *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs],

@@ -59,7 +59,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [KV, blocks, block_size, D]; block_tables int32 [B, max_blocks]; context_lens int32 [B]
     -> [B, H, D]. Gathers each sequence's blocks (dequantized to q's dtype), masks past its length, and attends."""
-    B = q.shape[0]
     bs = k_cache.shape[2]
     lens = [int(n) for n in context_lens.tolist()]
     max_blocks = max(-(-n // bs) for n in lens)

@@ -199,13 +199,13 @@ if AVAILABLE:
         s_ok = offs_s < num_splits
         part = (b.to(tl.int64) * num_heads + h) * num_splits + offs_s  # [SPLITS_PAD]
         m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
-        l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+        l_part = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
 
         m_max = tl.max(m, 0)  # finite whenever the row has a position (split 0 then holds one)
         # an empty split (m = -inf) weighs exactly 0; tl.where keeps -inf - -inf (NaN) out of an empty row
         w = tl.where(m > float("-inf"), tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0)), 0.0)
-        l_sum = tl.sum(w * l, 0)
+        l_sum = tl.sum(w * l_part, 0)
         o = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)  # [HEAD_DIM]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od,
                  o.to(out_ptr.dtype.element_ty))

@@ -26,9 +26,13 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import DEFAULT_AUTOSCALE_WINDOW_S
 from .sim import Req, Simulation, StepModel, WorkerConfig
+
+if TYPE_CHECKING:
+    from ..cluster.autoscaler import AutoscalerConfig
 
 HOUR = 3600.0
 _SLO_RE = re.compile(r"(ttft|tpot|e2e)_p(\d{1,2}(?:\.\d+)?)$")

@@ -186,7 +186,8 @@ def markdown(result: dict, args) -> str:
     r = result["ramp"]
     if r is not None:
         lines += ["", f"## The morning ramp (hours {r['hours'][0]:02d}-{r['hours'][1]:02d})", "",
-                  "| fleet | " + " | ".join(result["targets"]) + " | met |", "|---|" + "---|" * (len(result["targets"]) + 1)]
+                  "| fleet | " + " | ".join(result["targets"]) + " | met |",
+                  "|---|" + "---|" * (len(result["targets"]) + 1)]
         for name in [s["fleet"] for s in result["summary"]]:
             f = r[name]
             cells = " | ".join(format_seconds(f.get(t.split("=")[0])) for t in result["targets"])
@@ -201,7 +202,7 @@ def markdown(result: dict, args) -> str:
     for h, rps, tok in result["hourly"]:
         need = result["need"][h]
         cells = []
-        for name, rows in result["per_hour"].items():
+        for rows in result["per_hour"].values():
             row = rows[h]
             cells.append(f"{row['workers']:.1f}, {format_seconds(row.get(first))}, {'yes' if row['met'] else 'NO'}"
                          if row["requests"] else f"{row['workers']:.1f}, -, -")

@@ -11,9 +11,9 @@ Model-bandwidth utilisation (MBU) = bytes / time / peak bandwidth; model-FLOP ut
 peak FLOP/s. A step whose arithmetic intensity (FLOPs per byte) is under the ridge point (peak FLOP/s / peak
 bandwidth) is bound by memory, over it by compute.
 
-Peaks come from `--peak-bandwidth` / `--peak-flops`, else from a short calibration (a large copy; a 2048^3 matmul in
-the engine's dtype; on CUDA 2 GiB and 8192^3, each timed over 10 back-to-back runs) run once per device (and thread count; FLOP/s per dtype) and cached in INFERD_CACHE_DIR (default
-~/.cache/inferd)/peaks.json: delete it to calibrate again.
+Peaks come from `--peak-bandwidth` / `--peak-flops`, else from a short calibration (a large copy; a 2048^3 matmul in the
+engine's dtype; on CUDA 2 GiB and 8192^3, each timed over 10 back-to-back runs) run once per device (and thread count;
+FLOP/s per dtype) and cached in INFERD_CACHE_DIR (default ~/.cache/inferd)/peaks.json: delete it to calibrate again.
 """
 
 from __future__ import annotations

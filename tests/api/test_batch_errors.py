@@ -183,7 +183,8 @@ def test_a_saturated_service_pauses_every_batch_line_with_a_growing_back_off(ser
     _, resumed = wait_counted(server, "ok", ok + 1)
     done = wait_status(bulk, b.id, ("completed", "failed"), timeout=60)
     assert done.status == "completed" and done.request_counts.completed == 6
-    refusals = counted(server, "retried") - retried  # 2 while saturated (1 s apart), one more if the load drained slowly
+    # 2 while saturated (1 s apart), one more if the load drained slowly
+    refusals = counted(server, "retried") - retried
     assert refusals <= 3, f"{refusals} refusals: the runner did not wait between tries"
     busy = busy_answers(server, b.id)
     assert len(busy) == refusals and {x["status"] for x in busy} == {503}, busy

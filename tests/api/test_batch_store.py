@@ -1,8 +1,9 @@
 """The Batch API's store and runner on their own (a real SQLite store in a temporary folder): the limits, results
-recorded once, a database from before migrated; the runner's concurrency: it backs off to one line at a time while
-more important work runs, and grows back once it has been quiet; tenants take turns, each with its own concurrency,
-busy lines are retried with a back-off, and a failure in one batch is that batch's alone. The lines run through an execute function of the test's (the whole HTTP path
-is tested in test_batches.py: this checks the runner's policy, which the server's timing would blur)."""
+recorded once, a database from before migrated; the runner's concurrency: it backs off to one line at a time while more
+important work runs, and grows back once it has been quiet; tenants take turns, each with its own concurrency, busy
+lines are retried with a back-off, and a failure in one batch is that batch's alone. The lines run through an execute
+function of the test's (the whole HTTP path is tested in test_batches.py: this checks the runner's policy, which the
+server's timing would blur)."""
 
 from __future__ import annotations
 

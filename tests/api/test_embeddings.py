@@ -287,7 +287,8 @@ def test_big_inputs_are_tokenized_off_the_event_loop(server):
 
     def refused() -> float:
         text = httpx.get(server.url + "/metrics").text
-        line = next((l for l in text.splitlines() if l.startswith('inferd_refused_after_tokenizing_total{endpoint="embeddings"}')), None)
+        line = next((ln for ln in text.splitlines()
+                     if ln.startswith('inferd_refused_after_tokenizing_total{endpoint="embeddings"}')), None)
         return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
     before = refused()

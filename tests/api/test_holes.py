@@ -118,7 +118,8 @@ def test_refusals_after_tokenizing_are_counted(keyed):
     """A prompt refused for its length once tokenized: the work it cost shows in a metric."""
     def refused() -> float:
         text = httpx.get(keyed.url + "/metrics", headers=bearer(METRICS_KEY)).text
-        line = next((l for l in text.splitlines() if l.startswith('inferd_refused_after_tokenizing_total{endpoint="completions"}')), None)
+        line = next((ln for ln in text.splitlines()
+                     if ln.startswith('inferd_refused_after_tokenizing_total{endpoint="completions"}')), None)
         return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
     before = refused()

@@ -66,7 +66,7 @@ def _check_cell(text: str, value, decimals: int, where: str) -> None:
     elif decimals == 0:
         assert text == str(value), where
     else:
-        assert re.fullmatch(r"-?\d+\.\d{%d}" % decimals, text), where
+        assert re.fullmatch(rf"-?\d+\.\d{{{decimals}}}", text), where
         assert float(text) == pytest.approx(value, abs=0.5 * 10 ** -decimals + 1e-9), where
 
 

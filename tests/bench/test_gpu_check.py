@@ -76,7 +76,8 @@ def test_engine_and_transformers_runs(dry_run):
                 check_run(point, batch)
                 assert point["decode_steps"] == NEW - 1  # one prefill step gives the first token of every row
                 assert point["decode_step_ms"] > 0 and point["decode_step_bytes"] > 0
-                assert point["decode_mbu"] == pytest.approx(point["decode_step_bytes"] / (point["decode_step_ms"] / 1000)
+                assert point["decode_mbu"] == pytest.approx(point["decode_step_bytes"]
+                                                            / (point["decode_step_ms"] / 1000)
                                                             / report["peaks"]["bandwidth"])
         assert m["cuda_graphs"]["kv_blocks"] == m["eager"]["kv_blocks"] - 1  # the padded rows' scratch block
         for g, e, t, h in zip(m["cuda_graphs"]["points"], m["eager"]["points"], m["torch_attention"]["points"],

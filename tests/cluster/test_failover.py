@@ -207,15 +207,15 @@ def test_a_constrained_stream_whose_worker_is_killed_continues_exactly(cluster, 
         n = min(len(a.tokens), len(b.tokens))
         body = requests[i]
         if body.get("seed") is None:
-            at = greedy_divergence(a.tokens, b.tokens, lambda k: top2_gap(list(b.tops[k].values())),
-                                   lambda k: logprob_diff(a, b, k), "constrained greedy stream",
-                                   scale_at=lambda k: scale_of(list(b.tops[k].values())))
+            at = greedy_divergence(a.tokens, b.tokens, lambda k, b=b: top2_gap(list(b.tops[k].values())),
+                                   lambda k, a=a, b=b: logprob_diff(a, b, k), "constrained greedy stream",
+                                   scale_at=lambda k, b=b: scale_of(list(b.tops[k].values())))
         else:
             params = SamplingParams(max_tokens=1, temperature=body["temperature"], top_k=body["top_k"],
                                     seed=body["seed"])
             at = assert_sampling_match(a.tokens[:n], b.tokens[:n], [top_logits(t) for t in b.tops[:n]], params,
                                        body["seed"], len(prompts[i]), "constrained seeded stream",
-                                       diff_at=lambda k: logprob_diff(a, b, k))
+                                       diff_at=lambda k, a=a, b=b: logprob_diff(a, b, k))
         if at == n:  # no divergence: the same output, ended the same way
             assert len(a.tokens) == len(b.tokens) and a.finish_reason == b.finish_reason
         if a.finish_reason == "stop":

@@ -20,8 +20,8 @@ from servers import ENV
 pytestmark = pytest.mark.timeout(300)
 
 ADMIN = "admin-key-for-tests"
-TARGETS = ("--admin-key", ADMIN, "--rollout-min-requests", "8", "--rollout-min-seconds", "1", "--rollout-max-latency-ratio", "50",
-           "--shutdown-grace", "20")
+TARGETS = ("--admin-key", ADMIN, "--rollout-min-requests", "8", "--rollout-min-seconds", "1",
+           "--rollout-max-latency-ratio", "50", "--shutdown-grace", "20")
 
 
 def rollout_cli(server, *args: str) -> dict:

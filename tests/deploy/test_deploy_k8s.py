@@ -266,7 +266,7 @@ def test_inferd_pods_run_as_the_images_non_root_user(objects, repo):
     uids = {re.search(r"^USER (\d+)", (repo / name).read_text(), re.M).group(1)
             for name in ("Dockerfile", "deploy/Dockerfile.cuda")}
     assert len(uids) == 1, uids
-    for deployment, pod, c in inferd_containers(objects):
+    for _deployment, pod, c in inferd_containers(objects):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert str(pod["securityContext"]["runAsUser"]) in uids
         assert c["securityContext"]["allowPrivilegeEscalation"] is False

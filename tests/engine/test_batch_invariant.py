@@ -105,11 +105,11 @@ def test_in_float32_too(tiny_llama_dir):
 
 
 def test_without_the_mode_the_same_comparisons_differ_only_by_rounding(model):
-    """What the mode buys, and that what it removes is rounding: in plain bf16 the same comparisons are not all
-    bitwise equal (prefill and decode rows run different attention kernels on every CPU, a batch other matmul
-    shapes), yet at every position compared the logits agree within the bf16 bound of tests/parity.py, and a greedy request's tokens
-    part only at a near-tie (tests/parity.py's rule). Positions after the first token that differs have other
-    contexts and are not compared; the one where they part still has the same context and is."""
+    """What the mode buys, and that what it removes is rounding: in plain bf16 the same comparisons are not all bitwise
+    equal (prefill and decode rows run different attention kernels on every CPU, a batch other matmul shapes), yet at
+    every position compared the logits agree within the bf16 bound of tests/parity.py, and a greedy request's tokens
+    part only at a near-tie (tests/parity.py's rule). Positions after the first token that differs have other contexts
+    and are not compared; the one where they part still has the same context and is."""
     name = model[0]
     differ = []
     for label, req, ref, skip in _comparisons(model, invariant=False):

@@ -133,7 +133,7 @@ def test_seeded_sampling_is_reproducible_across_batches_and_replay(micro):
         assert req.num_output_tokens == 40 and len(req.debug_logits) == 40 - k
         assert_sampling_match(req.output_token_ids[k:], solo.output_token_ids[k:], solo.debug_logits[k:],
                               params, 1234, n + k,
-                              diff_at=lambda i: row_diff(req.debug_logits[i], solo.debug_logits[k + i]))
+                              diff_at=lambda i, req=req, k=k: row_diff(req.debug_logits[i], solo.debug_logits[k + i]))
     # a different seed gives a different sample
     [other] = micro.engine().generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": 4321}))
     assert other.output_token_ids != solo.output_token_ids

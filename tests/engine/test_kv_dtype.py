@@ -192,7 +192,7 @@ def test_decode_attention_over_a_low_precision_cache_is_attention_over_the_dequa
 
 @pytest.mark.parametrize("act, kv_dtype, tol", KERNEL_CASES)
 def test_prefill_attention_reads_the_cached_context_dequantized(act, kv_dtype, tol):
-    cached, n, n_heads, d, bs, scale = 11, 6, 4, 16, 4, 0.25
+    cached, n, n_heads, d, scale = 11, 6, 4, 16, 0.25
     k_cache, v_cache, [table], [k_all], [v_all] = paged_history([cached + n], kv_dtype)
     # the chunk's own k/v are in the cache too (the model writes before it attends, as llama.py does)
     q = torch.randn(n, n_heads, d, generator=torch.Generator().manual_seed(4)).to(act)

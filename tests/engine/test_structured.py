@@ -51,7 +51,7 @@ def spec_engine(smollm2_fp32):
 def slow_grammar(alternatives: int, seed: int) -> str:
     """A unique grammar whose compile takes long: 3000 alternatives (48 KB) ~12 s on the 2-core machine."""
     r = random.Random(seed)
-    words = ['[^%s]* "%s"' % (r.choice(string.ascii_lowercase), "".join(r.choices(string.ascii_lowercase, k=5)))
+    words = [f'[^{r.choice(string.ascii_lowercase)}]* "{"".join(r.choices(string.ascii_lowercase, k=5))}"'
              for _ in range(alternatives)]
     return "root ::= (" + " | ".join(words) + ")*"
 

@@ -1,11 +1,11 @@
 """Whole engines on the Triton kernels (kernels.select(..., "triton"): split-K paged decode, varlen paged prefill,
-add+RMSNorm, RoPE with the KV write, SiLU x up; inferd/kernels/triton_*.py), run on a CPU through Triton's interpreter (TRITON_INTERPRET=1, set in
-tests/conftest.py), against the same engines on the torch references, greedy, token for token under the exactness
-rule (tests/parity.py). This is the wiring a GPU runs: the runner's block tables and lengths for decode rows, one
-varlen call for every prefill chunk of a step (chunked prefill, later chunks over a cached context, prefix-cache
-hits), preemption, and the CUDA graphs' static decode path keyed by batch size only. float32 (the interpreter is
-wrong for bf16 tensors; bf16 is checked on the GPU by bench/gpu_check.sh). The model is a random Llama with head_dim
-32 and 3 query heads per KV head (the kernels take head_dim 32, 64 and 128)."""
+add+RMSNorm, RoPE with the KV write, SiLU x up; inferd/kernels/triton_*.py), run on a CPU through Triton's interpreter
+(TRITON_INTERPRET=1, set in tests/conftest.py), against the same engines on the torch references, greedy, token for
+token under the exactness rule (tests/parity.py). This is the wiring a GPU runs: the runner's block tables and lengths
+for decode rows, one varlen call for every prefill chunk of a step (chunked prefill, later chunks over a cached context,
+prefix-cache hits), preemption, and the CUDA graphs' static decode path keyed by batch size only. float32 (the
+interpreter is wrong for bf16 tensors; bf16 is checked on the GPU by bench/gpu_check.sh). The model is a random Llama
+with head_dim 32 and 3 query heads per KV head (the kernels take head_dim 32, 64 and 128)."""
 
 from __future__ import annotations
 

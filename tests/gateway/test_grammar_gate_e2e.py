@@ -69,8 +69,9 @@ def test_a_tenant_without_allow_grammar_is_refused_the_kind(serve, tmp_path):
     r = completion(server, open_, "a b c", 4, structured_outputs={"grammar": GRAMMAR})
     assert r.status_code == 200, r.text  # another tenant keeps it
     # the Batch API's lines are the tenant's requests too
-    line = ('{"custom_id": "g", "method": "POST", "url": "/v1/completions", "body": {"model": "%s", "prompt": "a", '
-            '"max_tokens": 2, "structured_outputs": {"grammar": "root ::= \\"x\\""}}}\n' % server.model)
+    line = json.dumps({"custom_id": "g", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": server.model, "prompt": "a", "max_tokens": 2,
+                                "structured_outputs": {"grammar": 'root ::= "x"'}}}) + "\n"
     files = httpx.post(server.url + "/v1/files", headers=bearer(locked), files={"file": ("in.jsonl", line)},
                        data={"purpose": "batch"}, timeout=60)
     assert files.status_code == 200, files.text

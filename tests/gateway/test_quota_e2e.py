@@ -23,7 +23,8 @@ def keyed(serve, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = make_keys(path, {"refund": {"tpm": 2000}, "tok": {"tpm": 100}, "req": {"rpm": 3},
                             "free": {}, "bulk": {"tier": "batch"}, "gone": {}})
-    server = serve("--keys", str(path), "--metrics-key", "quota-metrics-key", "--rate-window", str(WINDOW), "--max-model-len", "1024")
+    server = serve("--keys", str(path), "--metrics-key", "quota-metrics-key", "--rate-window", str(WINDOW),
+                   "--max-model-len", "1024")
     return server, keys, path
 
 

@@ -25,7 +25,8 @@ def test_redis_down_is_a_503_then_served_again(redis_server, tmp_path, tiny_llam
     keys = make_keys(tmp_path / "keys.json", {"t": {"max_concurrency": 4}})
     server = start_server(tiny_llama_dir, tmp_path / "serve.log", "--echo", "--max-model-len", "256",
                           "--heartbeat-interval", "0.1", "--keys", str(tmp_path / "keys.json"), "--redis",
-                          redis_server.url, model_name="tiny", env={"INFERD_FAULT": f"action=slow,times=0,ms={STEP_MS}"})
+                          redis_server.url, model_name="tiny",
+                          env={"INFERD_FAULT": f"action=slow,times=0,ms={STEP_MS}"})
     try:
         def post(max_tokens: int = 4, **kw) -> httpx.Response:
             return httpx.post(server.url + "/v1/completions", headers=bearer(keys["t"]), timeout=60,

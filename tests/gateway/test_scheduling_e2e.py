@@ -172,8 +172,8 @@ def frozen(serve, tmp_path_factory):
     that a frozen worker is not given up."""
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = make_keys(path, {"busy": {}, "late": {}})
-    server = serve("--keys", str(path), "--metrics-key", "frozen-metrics-key", "--max-num-seqs", "1", "--worker-queue-depth", "0", "--sse-keepalive",
-                   "0.05", "--heartbeat-timeout", "120", name="frozen")
+    server = serve("--keys", str(path), "--metrics-key", "frozen-metrics-key", "--max-num-seqs", "1",
+                   "--worker-queue-depth", "0", "--sse-keepalive", "0.05", "--heartbeat-timeout", "120", name="frozen")
     [worker] = server.worker_pids()
     return server, keys, worker
 
