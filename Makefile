@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 INSTALL := $(PIP) install
 
-.PHONY: setup serve chat test mutants bench clean redis-server chromium
+.PHONY: setup serve chat lint test mutants bench clean redis-server chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,13 @@ redis-server:
 chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core)
 
-test: setup redis-server chromium
+# ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade) over the whole tree, and mypy over the interfaces
+# that cross a process or package boundary; what each checks is in pyproject.toml. `make test` runs it first.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: setup redis-server chromium lint
 	$(BIN)/python -m pytest -q --durations=15
 
 # Mutation testing (docs/development.md): each mutation of tools/mutants.toml applied alone to a scratch copy of the
@@ -55,4 +61,4 @@ bench: setup
 	$(BIN)/python bench/engine_throughput.py
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache
