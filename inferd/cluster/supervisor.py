@@ -30,6 +30,7 @@ from ..config import (
 from ..gateway.router import Router
 from ..worker.client import WorkerClient, WorkerDead
 from ..worker.faults import ENV as FAULT_ENV
+from .child import ChildProcess
 
 log = logging.getLogger("inferd.cluster")
 
@@ -56,7 +57,7 @@ class LocalWorker:
         self.heartbeat_timeout = heartbeat_timeout
         self.start_timeout = start_timeout
         self.on_attach = on_attach
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: ChildProcess | None = None
         self.client: WorkerClient | None = None
         self.num_starts = 0
         self._stopping = False
@@ -73,10 +74,9 @@ class LocalWorker:
         env.pop(WORKER_SECRET_ENV, None)
         if self.secret:  # none (tests' bare supervisors): the worker runs the handshake with the empty key
             env[WORKER_SECRET_ENV] = self.secret
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "inferd", "worker", "--host", "127.0.0.1", "--port", "0", "--die-with-parent",
-            "--worker-id", self.worker_id, "--model-version", self.version, *self.worker_args,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=None, env=env)
+        self.proc = await ChildProcess.start(  # not asyncio's subprocess: see child.py
+            [sys.executable, "-m", "inferd", "worker", "--host", "127.0.0.1", "--port", "0", "--die-with-parent",
+             "--worker-id", self.worker_id, "--model-version", self.version, *self.worker_args], env)
         try:
             host, port = await asyncio.wait_for(self._read_ready(), self.start_timeout)
         except TimeoutError:
@@ -189,7 +189,7 @@ class LocalWorker:
                 return host, int(port)
 
     @staticmethod
-    async def _drain_stdout(proc: asyncio.subprocess.Process) -> None:
+    async def _drain_stdout(proc: ChildProcess) -> None:
         while await proc.stdout.read(65536):
             pass
 
