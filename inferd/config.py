@@ -127,12 +127,12 @@ WORKER_START_TIMEOUT_S = 600.0  # loading a model: seconds before a worker that 
 WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crashed worker is started again
 
 # the gateway (inferd/gateway): quotas, the waiting line, admission
-TIERS = ("interactive", "standard", "batch")  # priority bands, most important first (band = index)
+TIERS = ("interactive", "standard", "batch")  # priority tiers, most important first (tier_rank = index)
 DEFAULT_TIER = "standard"
 DEFAULT_RATE_WINDOW_S = 60.0  # token buckets refill their whole capacity over this many seconds
 DEFAULT_QUEUE_TIMEOUT_S = {"interactive": 10.0, "standard": 30.0, "batch": 300.0}  # deadline to start, per tier
 MAX_QUEUE_TIMEOUT_S = 3600.0  # the most a request header may ask to wait
-DEFAULT_MAX_QUEUE_REQUESTS = 1024  # requests waiting in the line, all bands together
+DEFAULT_MAX_QUEUE_REQUESTS = 1024  # requests waiting in the queue, all tiers together
 DEFAULT_MAX_QUEUE_TOKENS = 4_000_000  # reserved tokens (prompt + max_tokens) of the waiting requests
 DEFAULT_SSE_KEEPALIVE_S = 5.0  # a stream waiting for its first token gets a ": keep-alive" comment this often
 DEFAULT_WORKER_QUEUE_DEPTH = 4  # requests a worker may hold beyond its batch slots (so its GPU never idles)

@@ -20,7 +20,7 @@ from .errors import APIError, invalid, validation_error
 from .refusals import worker_error
 from .schemas import ChatCompletionRequest, CompletionRequest
 
-BATCH_BAND = TIERS.index("batch")
+BATCH_TIER_RANK = TIERS.index("batch")
 # the 429s that say "busy" (the tenant's rate or concurrency limits, its share of the queue): a batch line that gets
 # one runs again later; every other 429 (request_too_large: over the tenant's whole quota) can never succeed, and is
 # the line's result
@@ -66,17 +66,17 @@ async def execute_line(state, identity: str, endpoint: str, body: str) -> LineOu
     try:
         if tenant is None:
             raise APIError(401, "the batch's tenant no longer exists", code="tenant_gone")
-        band = max(tenant.band, BATCH_BAND)
+        tier_rank = max(tenant.tier_rank, BATCH_TIER_RANK)
         if endpoint == "/v1/embeddings":
             req = await asyncio.to_thread(_parse_body, EmbeddingRequest, body)
             model = embedding_model(state, req.model)
-            return LineOutcome(200, await state.generation.embed(model, req, tenant, band, None))
+            return LineOutcome(200, await state.generation.embed(model, req, tenant, tier_rank, None))
         schema = ChatCompletionRequest if endpoint == "/v1/chat/completions" else CompletionRequest
         req = await asyncio.to_thread(_parse_body, schema, body)
         if req.stream:
             raise invalid("stream is not allowed in a batch", param="stream")
         prep = await state.require_serving().prepare(req, time.perf_counter(), tenant.allow_grammar)
-        return LineOutcome(200, await state.generation.collect(prep, tenant, band))
+        return LineOutcome(200, await state.generation.collect(prep, tenant, tier_rank))
     except Exception as e:  # an APIError as it is; the gateway's refusals (overloaded, ...) and worker failures
         return outcome_of(worker_error(e))
 
@@ -94,7 +94,7 @@ async def start_batches(state, state_dir: str, concurrency: int,
 
     lines = state.metrics.batch_lines
     state.batch_runner = BatchRunner(state.batches, execute, concurrency,
-                                     interactive_busy=lambda: state.gateway.busy_above(BATCH_BAND),
+                                     interactive_busy=lambda: state.gateway.busy_above(BATCH_TIER_RANK),
                                      max_line_bytes=state.max_body_bytes, retention_s=retention_s,
                                      count=lambda outcome, n: lines.labels(outcome).inc(n),
                                      tenant_exists=lambda identity: tenant_by_identity(state, identity) is not None)

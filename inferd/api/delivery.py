@@ -21,7 +21,7 @@ from .errors import APIError
 from .generation import Generation
 from .middleware.request_context import ABORT_CONNECTION
 from .refusals import worker_error
-from .request_tier import requested_band, requested_timeout
+from .request_tier import requested_tier_rank, requested_timeout
 from .responses import SSE_DONE, complete, first_event, sse, stream
 from .serving import Prepared
 
@@ -32,8 +32,8 @@ async def respond(request: Request, prep: Prepared, tenant: Tenant) -> Response:
     """Admission (quota, queue, overload) in the tier the request asks for, then the generation: a JSON body, or
     an SSE stream. Refusals before the response starts are HTTP errors; after it, SSE error events."""
     state = request.app.state.inferd
-    band = requested_band(request, tenant)
-    generation = await state.generation.admit(prep, tenant, band, requested_timeout(request, band))
+    tier_rank = requested_tier_rank(request, tenant)
+    generation = await state.generation.admit(prep, tenant, tier_rank, requested_timeout(request, tier_rank))
     headers = generation.ticket.decision.headers()
     if prep.stream:
         return await _start_stream(state, generation, request, headers)
@@ -85,7 +85,7 @@ def _observe_overhead(state, generation: Generation) -> None:
 def _dispatch_headers(ticket) -> dict[str, str]:
     headers = {"x-inferd-queue-seconds": f"{ticket.queue_seconds:.4f}",
                "x-inferd-dispatch-seq": str(ticket.dispatch_seq),
-               "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.band]}
+               "x-inferd-dispatched-ahead": str(ticket.dispatched_ahead), "x-inferd-tier": TIERS[ticket.tier_rank]}
     worker = ticket.first_worker
     if worker is not None and worker.hello is not None:  # where it ran (first dispatch): routing is observable
         headers["x-inferd-worker"] = worker.hello.worker_id

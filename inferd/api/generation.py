@@ -66,11 +66,11 @@ class GenerationService:
     def __init__(self, state):
         self.state = state
 
-    async def admit(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None) -> Generation:
+    async def admit(self, prep: Prepared, tenant: Tenant, tier_rank: int, queue_timeout: float | None) -> Generation:
         """Admission (quota, queue, overload): a Generation that holds the ticket from here on (nothing awaits
         between the two), or the refusal as an APIError (429, 503, ...)."""
         serving = self.state.require_serving()
-        ticket = await _admit(self.state.gateway, tenant, band, prep.prompt_tokens, prep.reserved_tokens,
+        ticket = await _admit(self.state.gateway, tenant, tier_rank, prep.prompt_tokens, prep.reserved_tokens,
                               queue_timeout, prompt=prep.prompts[0], num_seqs=len(prep.params))
         salt = tenant.cache_salt
         for params in prep.params:  # the worker's prefix cache shares blocks only under the same salt
@@ -82,29 +82,29 @@ class GenerationService:
             raise
 
     @asynccontextmanager
-    async def admitted(self, prep: Prepared, tenant: Tenant, band: int,
+    async def admitted(self, prep: Prepared, tenant: Tenant, tier_rank: int,
                        queue_timeout: float | None = None) -> AsyncIterator[Generation]:
         """admit(), closed on the way out of the block whatever happens in it."""
-        generation = await self.admit(prep, tenant, band, queue_timeout)
+        generation = await self.admit(prep, tenant, tier_rank, queue_timeout)
         try:
             yield generation
         finally:
             generation.close()
 
-    async def collect(self, prep: Prepared, tenant: Tenant, band: int, queue_timeout: float | None = None) -> dict:
+    async def collect(self, prep: Prepared, tenant: Tenant, tier_rank: int, queue_timeout: float | None = None) -> dict:
         """The whole (non-streaming) response of a request: admitted, run to the end, released."""
-        async with self.admitted(prep, tenant, band, queue_timeout) as generation:
+        async with self.admitted(prep, tenant, tier_rank, queue_timeout) as generation:
             await generation.start()
             return await complete(generation)
 
-    async def embed(self, model: EmbeddingModel, req: EmbeddingRequest, tenant: Tenant, band: int,
+    async def embed(self, model: EmbeddingModel, req: EmbeddingRequest, tenant: Tenant, tier_rank: int,
                     queue_timeout: float | None) -> dict:
         """An embedding request (model: the EmbeddingModel of the model it names) in OpenAI's shape: admitted in
         that model's own gateway (the same tenants' quotas), each input run on the bound worker (again on another
         when that one is lost: an embedding has no state to carry over), the ticket released on every way out."""
         ids = await model.inputs(req)
         tokens = sum(len(x) for x in ids)
-        ticket = await _admit(model.gateway, tenant, band, tokens, tokens, queue_timeout, prompt=None,
+        ticket = await _admit(model.gateway, tenant, tier_rank, tokens, tokens, queue_timeout, prompt=None,
                               num_seqs=len(ids))
         used = 0
         try:
@@ -144,11 +144,11 @@ class GenerationService:
         rollout.observe(generation.ticket.version, ttft, tpot, is_server_error(generation.error))
 
 
-async def _admit(gateway: Gateway, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
+async def _admit(gateway: Gateway, tenant: Tenant, tier_rank: int, prompt_tokens: int, reserved_tokens: int,
                  queue_timeout: float | None, prompt: list[int] | None, num_seqs: int) -> Ticket:
     """gateway.admit with its refusals as the APIErrors a client sees."""
     try:
-        return await gateway.admit(tenant, band, prompt_tokens, reserved_tokens, queue_timeout, prompt=prompt,
+        return await gateway.admit(tenant, tier_rank, prompt_tokens, reserved_tokens, queue_timeout, prompt=prompt,
                                    num_seqs=num_seqs, cache_salt=tenant.cache_salt)
     except Exception as e:  # RateLimited, Overloaded, QueueShareExceeded, NoWorkerAvailable, the limiter down
         raise worker_error(e) from None
@@ -192,11 +192,11 @@ class Generation:
     async def start(self) -> None:
         """Waits for the worker the gateway binds the request to (at once unless it waits in the queue; raises
         QueueTimeout or Overloaded when it leaves the queue without one), then sends it every choice, with the
-        engine priority of its band."""
+        engine priority of its tier."""
         ticket, prep = self.ticket, self.prep
         worker = ticket.worker or await ticket.wait()
         for params in prep.params:
-            params.priority = ticket.band
+            params.priority = ticket.tier_rank
         streams = [self._choice_stream(i, worker) for i in range(len(self.choices))]
         self.dispatched_at = time.perf_counter()
         metrics = self.serving.metrics

@@ -7,17 +7,17 @@ comes from the drain rate. A waiting request leaves the queue when a worker has 
 worker), or at its deadline with QueueTimeout, having cost no GPU time. `Ticket.finish` settles the quota with the
 tokens really used and frees the worker's room, which dispatches the next in the queue.
 
-Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a band or better. Work of a worse band does
+Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a tier or better. Work of a worse tier does
 not count against a better one, so a worker full of batch work still has room for an interactive request: the
 engine runs requests by priority and preempts its least important running request for it (recompute).
 
-When the queue is full, a request of a better band sheds the newest waiter of the worst band below it (503
+When the queue is full, a request of a better tier sheds the newest waiter of the worst tier below it (503
 `overloaded` to that one), so that priority holds at the bound too.
 
 Words: a *tier* is the named class a tenant (or a request, x-inferd-tier) is in: interactive, standard, batch
-(config.TIERS); its *band* is the same tier as the integer the code compares, its index in TIERS (0 = interactive,
-served first). The engine receives the band as the request's `priority`. The *queue* is where admitted requests wait
-for a worker (inferd/gateway/waiting_queue.py); "line" is only ever a Batch API input line.
+(config.TIERS); `tier_rank` is the same tier as the integer the code compares, its index in TIERS (0 =
+interactive, served first). The engine receives the tier rank as the request's `priority`. The *queue* is where
+admitted requests wait for a worker (inferd/gateway/waiting_queue.py); "line" is only ever a Batch API input line.
 """
 
 from __future__ import annotations
@@ -166,11 +166,11 @@ class DrainRate:
 class Ticket:
     """An admitted request: its reservation, its place in the queue, then its worker."""
 
-    def __init__(self, gateway: Gateway, tenant: Tenant, band: int, lease_id: str, reserved_tokens: int,
+    def __init__(self, gateway: Gateway, tenant: Tenant, tier_rank: int, lease_id: str, reserved_tokens: int,
                  decision: Decision, timeout: float, num_seqs: int = 1):
         self.gateway = gateway
         self.tenant = tenant
-        self.band = band
+        self.tier_rank = tier_rank
         self.lease_id = lease_id
         self.reserved_tokens = reserved_tokens
         self.num_seqs = num_seqs  # sequences it runs (prompts x n): the room it takes on a worker
@@ -222,7 +222,7 @@ class Ticket:
                 self._drained_prompt = True
                 drained += self.waiter.prompt_tokens if self.waiter is not None else 0
             g.drain.record(time.perf_counter(), drained)
-            amount = g.queue.charge(self.band, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
+            amount = g.queue.charge(self.tier_rank, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
 
@@ -250,7 +250,7 @@ class Ticket:
             self._future.cancel()
         g.failover.forget(self)
         if self.worker is not None:
-            g.release_room(self.worker, self.band, self.num_seqs)
+            g.release_room(self.worker, self.tier_rank, self.num_seqs)
         g._close_ticket(self)
         if dispatched:
             g._observe_output(used_tokens, self.reserved_tokens)
@@ -271,7 +271,7 @@ class Gateway:
         self.queue = WaitingQueue(self.options.max_queue_requests, self.options.max_queue_tokens,
                                 self.options.fairness)
         self.drain = DrainRate()
-        self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per band
+        self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per tier
         self._leases = itertools.count(1)
         self._num_dispatched = 0
         self._expected_output: float | None = None  # mean generated tokens per reserved output token (EWMA)
@@ -292,7 +292,7 @@ class Gateway:
             metrics.drain_rate.set_function(lambda: self.drain.rate(time.perf_counter()) or 0.0)
 
     # ---- admission ------------------------------------------------------------------------------------------
-    async def admit(self, tenant: Tenant, band: int, prompt_tokens: int, reserved_tokens: int,
+    async def admit(self, tenant: Tenant, tier_rank: int, prompt_tokens: int, reserved_tokens: int,
                     queue_timeout: float | None = None, prompt: list[int] | None = None,
                     num_seqs: int = 1, cache_salt: str = "") -> Ticket:
         """Reserves quota and binds or queues the request. Raises RateLimited (429), QueueShareExceeded (429: the
@@ -302,18 +302,18 @@ class Gateway:
             raise NoWorkerAvailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
         if not self.router.ready:
             raise NoWorkerAvailable(f"no worker is available: {self.router.not_ready_reason}")
-        timeout = queue_timeout if queue_timeout is not None else self.options.queue_timeout[TIERS[band]]
+        timeout = queue_timeout if queue_timeout is not None else self.options.queue_timeout[TIERS[tier_rank]]
         lease_id = f"{tenant.name}:{id(self)}:{next(self._leases)}:{time.time_ns()}"
         decision = await self.limiter.reserve(tenant.name, tenant.limits, lease_id, reserved_tokens)
         if not decision.allowed:
             self.count(f"rate_limited_{decision.reason}")
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
-        ticket = Ticket(self, tenant, band, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
+        ticket = Ticket(self, tenant, tier_rank, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
         self._open_ticket(ticket)
         if prompt is not None:
             ticket.prompt_hashes = self.router.prompt_hashes(prompt, cache_salt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
-        waiter = ticket.waiter = Waiter(tenant.name, band, tenant.weight, prompt_tokens, reserved_tokens, expected,
+        waiter = ticket.waiter = Waiter(tenant.name, tier_rank, tenant.weight, prompt_tokens, reserved_tokens, expected,
                                         payload=ticket)
         try:
             self._enqueue(ticket, waiter)
@@ -406,8 +406,8 @@ class Gateway:
                              f"{queue.num_tokens} reserved tokens; limits {queue.max_requests} and {queue.max_tokens})",
                              self._retry_after(queue.expected_ahead(len(TIERS) - 1)))
         self._check_tenant_share(w)
-        ahead = queue.expected_ahead(w.band)
-        if ahead > 0 or not self._has_room(w.band, ticket.num_seqs):
+        ahead = queue.expected_ahead(w.tier_rank)
+        if ahead > 0 or not self._has_room(w.tier_rank, ticket.num_seqs):
             rate = self.drain.rate(time.perf_counter())
             if rate:
                 wait = (ahead + w.expected_tokens) / rate
@@ -433,21 +433,21 @@ class Gateway:
             raise QueueShareExceeded(
                 f"tenant {w.tenant} already has {requests} requests ({tokens} reserved tokens) waiting: its share of "
                 f"the queue is {max_requests} requests and {max_tokens} tokens ({share:.0%}). Retry once some "
-                "of them have started.", self._retry_after(queue.expected_ahead(w.band)))
+                "of them have started.", self._retry_after(queue.expected_ahead(w.tier_rank)))
 
     def _shed_for(self, w: Waiter) -> None:
-        """Drops the newest waiters of worse bands until w fits (or none is left)."""
+        """Drops the newest waiters of worse tiers until w fits (or none is left)."""
         queue = self.queue
         while not queue.fits(w.reserved_tokens):
-            victims = [v for v in queue.waiters() if v.band > w.band]
+            victims = [v for v in queue.waiters() if v.tier_rank > w.tier_rank]
             if not victims:
                 return
-            victim = max(victims, key=lambda v: (v.band, v.seq))
+            victim = max(victims, key=lambda v: (v.tier_rank, v.seq))
             queue.remove(victim)
             self.count("shed")
             victim.payload._fail(Overloaded("the service is saturated: this request was shed from the waiting "
                                             "queue for more important work", self._retry_after(
-                                                queue.expected_ahead(victim.band))))
+                                                queue.expected_ahead(victim.tier_rank))))
 
     def _retry_after(self, work_ahead: float) -> int:
         rate = self.drain.rate(time.perf_counter())
@@ -476,39 +476,39 @@ class Gateway:
         hello = worker.hello
         return (hello.max_num_seqs if hello is not None else 1) + self.options.worker_queue_depth
 
-    def _room_on(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> bool:
-        """Room for num_seqs more sequences of this band (or better). A request with more sequences than a worker
+    def _room_on(self, worker: WorkerClient, tier_rank: int, num_seqs: int = 1) -> bool:
+        """Room for num_seqs more sequences of this tier (or better). A request with more sequences than a worker
         holds at all still fits an idle worker (the engine runs what fits, the rest waits there)."""
         assigned = self._assigned.get(worker)
         if assigned is None:
             return True
-        used = sum(assigned[: band + 1])
+        used = sum(assigned[: tier_rank + 1])
         return used == 0 or used + num_seqs <= self._capacity(worker)
 
     def load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))
 
-    def candidates(self, band: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
+    def candidates(self, tier_rank: int, version: str | None, num_seqs: int = 1) -> list[WorkerClient]:
         return [w for w in self.router.workers
-                if w.usable and self._room_on(w, band, num_seqs) and (version is None or w.version == version)]
+                if w.usable and self._room_on(w, tier_rank, num_seqs) and (version is None or w.version == version)]
 
-    def _has_room(self, band: int, num_seqs: int = 1) -> bool:
-        return bool(self.candidates(band, None, num_seqs))
+    def _has_room(self, tier_rank: int, num_seqs: int = 1) -> bool:
+        return bool(self.candidates(tier_rank, None, num_seqs))
 
     def _pick(self, ticket: Ticket) -> WorkerClient | None:
-        version = ticket.version or self.choose_version(ticket.band)
-        candidates = self.candidates(ticket.band, version, ticket.num_seqs)
+        version = ticket.version or self.choose_version(ticket.tier_rank)
+        candidates = self.candidates(ticket.tier_rank, version, ticket.num_seqs)
         if not candidates:
             return None
         return self.router.rank(candidates, self.load, ticket.prompt_hashes)
 
-    def choose_version(self, band: int) -> str | None:
+    def choose_version(self, tier_rank: int) -> str | None:
         """During a rollout: the version whose share of new requests is furthest behind its target, among those
         with room (counted, not drawn at random, so that a canary's share is exact over any run of requests)."""
         shares = self.version_shares
         if not shares:
             return None
-        open_versions = {w.version for w in self.candidates(band, None)}
+        open_versions = {w.version for w in self.candidates(tier_rank, None)}
         total = sum(self._version_counts.get(v, 0) for v in shares) + 1
         best, best_deficit = None, None
         for version, share in shares.items():
@@ -521,7 +521,7 @@ class Gateway:
 
     def pump(self) -> None:
         """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the
-        best band's: if it has no room, no worse band has either."""
+        best tier's: if it has no room, no worse tier has either."""
         self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:
@@ -545,7 +545,7 @@ class Gateway:
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
         if not self._assigned:
             self.drain.busy(time.perf_counter())
-        self.take_room(worker, ticket.band, ticket.num_seqs)
+        self.take_room(worker, ticket.tier_rank, ticket.num_seqs)
         self._num_dispatched += 1
         ticket.worker = ticket.first_worker = worker
         ticket.version = worker.version
@@ -580,25 +580,25 @@ class Gateway:
         self._update_queue_metrics()
         self.pump()
 
-    def busy_above(self, band: int) -> int:
-        """Sequences of more important bands than `band` bound to a worker or waiting in the queue (the Batch API
+    def busy_above(self, tier_rank: int) -> int:
+        """Sequences of more important tiers than `tier_rank` bound to a worker or waiting in the queue (the Batch API
         backs off while there are any)."""
-        bound = sum(sum(a[:band]) for a in self._assigned.values())
-        return bound + sum(1 for w in self.queue.waiters() if w.band < band)
+        bound = sum(sum(a[:tier_rank]) for a in self._assigned.values())
+        return bound + sum(1 for w in self.queue.waiters() if w.tier_rank < tier_rank)
 
     @property
     def num_in_flight(self) -> int:
         """Sequences bound to a worker (or being moved to another)."""
         return sum(sum(a) for a in self._assigned.values()) + self.failover.num_seqs
 
-    def take_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
-        """num_seqs sequences of this band are bound to worker (release_room gives them back)."""
-        self._assigned.setdefault(worker, [0] * len(TIERS))[band] += num_seqs
+    def take_room(self, worker: WorkerClient, tier_rank: int, num_seqs: int = 1) -> None:
+        """num_seqs sequences of this tier are bound to worker (release_room gives them back)."""
+        self._assigned.setdefault(worker, [0] * len(TIERS))[tier_rank] += num_seqs
 
-    def release_room(self, worker: WorkerClient, band: int, num_seqs: int = 1) -> None:
+    def release_room(self, worker: WorkerClient, tier_rank: int, num_seqs: int = 1) -> None:
         assigned = self._assigned.get(worker)
         if assigned is not None:
-            assigned[band] -= num_seqs
+            assigned[tier_rank] -= num_seqs
             if not any(assigned):
                 del self._assigned[worker]
                 if not self._assigned:
@@ -613,9 +613,9 @@ class Gateway:
         m = self.metrics
         if m is None:
             return
-        for band, tier in enumerate(TIERS):
-            m.queue_requests.labels(tier).set(self.queue.num_by_band[band])
-            m.queue_tier_tokens.labels(tier).set(self.queue.tokens_by_band[band])
+        for tier_rank, tier in enumerate(TIERS):
+            m.queue_requests.labels(tier).set(self.queue.num_by_tier[tier_rank])
+            m.queue_tier_tokens.labels(tier).set(self.queue.tokens_by_tier[tier_rank])
         m.queue_tokens.set(self.queue.num_tokens)
         queue = self.queue
         self.high_water = (max(self.high_water[0], queue.num_requests), max(self.high_water[1], queue.num_tokens))

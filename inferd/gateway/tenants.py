@@ -66,7 +66,7 @@ class Tenant:
         return hashlib.sha256(owner.encode()).hexdigest()
 
     @property
-    def band(self) -> int:
+    def tier_rank(self) -> int:
         return TIERS.index(self.tier)
 
     @property

@@ -1,4 +1,4 @@
-"""The waiting line as a data structure: priority bands, VTC fair sharing with its 2U bound, FCFS for comparison,
+"""The waiting line as a data structure: priority tiers, VTC fair sharing with its 2U bound, FCFS for comparison,
 bounds. A deterministic simulation of one server slot drives it: time advances one unit per generated token."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from inferd.gateway.waiting_queue import Waiter
 from inferd.gateway.waiting_queue import WaitingQueue as WaitingLine
 
 
-def waiter(tenant: str, prompt: int, output: int, band: int = 1, weight: float = 1.0) -> Waiter:
-    return Waiter(tenant, band, weight, prompt, prompt + output, prompt + output, payload=output)
+def waiter(tenant: str, prompt: int, output: int, tier_rank: int = 1, weight: float = 1.0) -> Waiter:
+    return Waiter(tenant, tier_rank, weight, prompt, prompt + output, prompt + output, payload=output)
 
 
 def cost(prompt: int, output: int, weight: float = 1.0) -> float:
@@ -139,11 +139,11 @@ def test_a_tenant_returning_from_idle_starts_at_the_current_minimum():
 
 def test_bands_go_first_whatever_the_counters():
     line = WaitingLine(100, 10**6, "vtc")
-    batch = [waiter("A", 10, 10, band=2) for _ in range(5)]
+    batch = [waiter("A", 10, 10, tier_rank=2) for _ in range(5)]
     for w in batch:
         line.push(w)
-    line.push(waiter("B", 10, 10, band=1))
-    interactive = waiter("C", 1000, 1000, band=0)
+    line.push(waiter("B", 10, 10, tier_rank=1))
+    interactive = waiter("C", 1000, 1000, tier_rank=0)
     line.push(interactive)
     assert line.peek() is interactive
     line.pop(interactive)
@@ -180,7 +180,7 @@ def test_fcfs_is_arrival_order_inside_a_band():
 
 def test_counters_are_per_band_and_charges_divide_by_weight():
     line = WaitingLine(100, 10**6, "vtc")
-    w = waiter("A", 10, 0, band=2, weight=4.0)
+    w = waiter("A", 10, 0, tier_rank=2, weight=4.0)
     line.push(w)
     assert line.pop(w) == pytest.approx(10 * FAIRNESS_PROMPT_WEIGHT / 4.0)
     assert line.charge(2, "A", 4.0, output_tokens=2) == pytest.approx(2 * FAIRNESS_OUTPUT_WEIGHT / 4.0)

@@ -10,7 +10,7 @@ from ..delivery import ClientGone, until_disconnect
 from ..embeddings import EmbeddingRequest, embedding_model
 from ..middleware.auth import TENANT
 from ..refusals import worker_error
-from ..request_tier import requested_band, requested_timeout
+from ..request_tier import requested_tier_rank, requested_timeout
 from . import documented_errors
 
 router = APIRouter()
@@ -21,11 +21,11 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = request.app.state.inferd
     model = embedding_model(state, body.model)
     tenant = request.scope[TENANT]
-    band = requested_band(request, tenant)
+    tier_rank = requested_tier_rank(request, tenant)
     try:
         # a client that disconnects cancels the request: its inputs are aborted in the worker, its slot freed
         out = await until_disconnect(request.receive, state.generation.embed(
-            model, body, tenant, band, requested_timeout(request, band)))
+            model, body, tenant, tier_rank, requested_timeout(request, tier_rank)))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     except Exception as e:  # an APIError as it is; the gateway's refusals and worker failures as the client sees them
