@@ -5,7 +5,7 @@ with every observation and acts on `Autoscaler.desired` (starts or stops local w
 inferd_desired_workers for an HPA/KEDA).
 
 Need. One worker sustains `worker_capacity` tokens/s at the latency target and is planned at `target_utilization`
-of it. The demand is the token arrival rate plus the waiting line's reserved tokens spread over `queue_drain_s`:
+of it. The demand is the token arrival rate plus the queue's reserved tokens spread over `queue_drain_s`:
 
     need = ceil((arrival_tokens_per_s + queued_tokens / queue_drain_s) / (worker_capacity * target_utilization))
 
@@ -132,7 +132,7 @@ class AutoscalerConfig:
     max_workers: int = DEFAULT_MAX_WORKERS
     target_utilization: float = DEFAULT_TARGET_UTILIZATION  # plan workers at this share of worker_capacity
     scale_down_cooldown_s: float = DEFAULT_SCALE_DOWN_COOLDOWN_S
-    queue_drain_s: float = DEFAULT_QUEUE_DRAIN_S  # drain the waiting line's reserved tokens within this
+    queue_drain_s: float = DEFAULT_QUEUE_DRAIN_S  # drain the queue's reserved tokens within this
     kv_high_water: float = DEFAULT_KV_HIGH_WATER  # mean KV use (0..1) above which one more worker is asked for
     # entries, or (time, workers) pairs, or the `--warm-schedule` text; kept as sorted WarmEntry
     warm_schedule: list[WarmEntry] = field(default_factory=list)
@@ -165,7 +165,7 @@ class Demand:
     """One observation of the load."""
 
     arrival_tokens_per_s: float  # tokens (prompts + expected outputs) admitted per second over a recent window
-    queued_tokens: float  # reserved tokens (prompt + max_tokens) waiting in the gateway's line
+    queued_tokens: float  # reserved tokens (prompt + max_tokens) waiting in the gateway's queue
     kv_usage: float  # 0..1, mean over the workers
     current_workers: int  # workers running now
 

@@ -1,5 +1,5 @@
-"""The autoscaler at work: every AUTOSCALE_INTERVAL_S it feeds the gateway's demand (token arrival rate, waiting
-line, KV use) to the Autoscaler (inferd/cluster/autoscaler.py), exports the answer as `inferd_desired_workers` (for
+"""The autoscaler at work: every AUTOSCALE_INTERVAL_S it feeds the gateway's demand (token arrival rate, queued
+tokens, KV use) to the Autoscaler (inferd/cluster/autoscaler.py), exports the answer as `inferd_desired_workers` (for
 a Kubernetes HPA/KEDA), and, with local workers and --autoscale, starts or retires worker processes to match it.
 Retiring drains: the least loaded worker takes no new work and exits once its streams are done."""
 

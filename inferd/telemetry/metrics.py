@@ -50,7 +50,7 @@ class Metrics:
             "SSE write", buckets=OVERHEAD_BUCKETS, registry=r)
         self.gateway_overhead = Histogram(
             "inferd_gateway_overhead_seconds", "Time the API/gateway process adds to a request: receipt to the end "
-            "of its response, less the time spent waiting in the line and for the worker", buckets=OVERHEAD_BUCKETS,
+            "of its response, less the time spent waiting in the queue and for the worker", buckets=OVERHEAD_BUCKETS,
             registry=r)
         self.refused_after_tokenizing = Counter(
             "inferd_refused_after_tokenizing", "Requests refused by validation after their inputs were tokenized (or "
@@ -59,17 +59,17 @@ class Metrics:
         self.embedding_inputs = Counter("inferd_embedding_inputs", "Inputs embedded (one vector each)", registry=r)
         self.embedding_passes = Gauge("inferd_embedding_model_passes", "Forward passes the embedding workers ran "
                                       "(their dynamic batching: fewer passes than inputs)", registry=r)
-        # the gateway: quotas, the waiting line, admission
+        # the gateway: quotas, the queue, admission
         self.admissions = Counter("inferd_gateway_admissions", "Generation requests by admission outcome",
                                   ["outcome"], registry=r)
-        self.queue_requests = Gauge("inferd_queue_requests", "Requests waiting in the gateway's line", ["tier"],
+        self.queue_requests = Gauge("inferd_queue_requests", "Requests waiting in the gateway's queue", ["tier"],
                                     registry=r)
-        self.queue_tokens = Gauge("inferd_queue_tokens", "Reserved tokens of the requests in the line", registry=r)
-        self.queue_tier_tokens = Gauge("inferd_queue_tier_tokens", "Reserved tokens of the requests in the line, by "
+        self.queue_tokens = Gauge("inferd_queue_tokens", "Reserved tokens of the requests in the queue", registry=r)
+        self.queue_tier_tokens = Gauge("inferd_queue_tier_tokens", "Reserved tokens of the requests in the queue, by "
                                        "tier", ["tier"], registry=r)
-        self.queue_requests_max = Gauge("inferd_queue_requests_high_water", "Most requests ever in the line at once",
+        self.queue_requests_max = Gauge("inferd_queue_requests_high_water", "Most requests ever in the queue at once",
                                         registry=r)
-        self.queue_tokens_max = Gauge("inferd_queue_tokens_high_water", "Most reserved tokens ever in the line",
+        self.queue_tokens_max = Gauge("inferd_queue_tokens_high_water", "Most reserved tokens ever in the queue",
                                       registry=r)
         self.queue_wait = Histogram("inferd_queue_wait_seconds", "Time from admission to dispatch to a worker",
                                     buckets=LATENCY_BUCKETS, registry=r)

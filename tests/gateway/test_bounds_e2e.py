@@ -1,5 +1,5 @@
 """Bounded cost per request and per tenant (issue 13, part 3), against a real server on echo workers slowed to
-20 ms a step: one tenant cannot fill the waiting line, room is counted per sequence, a prompt too long to ever fit is
+20 ms a step: one tenant cannot fill the queue, room is counted per sequence, a prompt too long to ever fit is
 refused before it is tokenized (and a long one is tokenized off the event loop), /tokenize counts against the
 tenant's request rate, a request refused with 503 before it reached a worker (queue timeout, full line) gives its
 request back to the tenant's rate, and the HTTP limits (head deadline, head size, connection count) hold. The rate
@@ -66,7 +66,7 @@ def test_one_tenant_cannot_fill_the_waiting_line(server):
 
 
 def test_room_is_counted_per_sequence(server):
-    """A request with n=3 takes all 3 places of the worker: the next request waits in the line until it ends."""
+    """A request with n=3 takes all 3 places of the worker: the next request waits in the queue until it ends."""
     _idle(server)
     with ThreadPoolExecutor(2) as pool:
         big = pool.submit(_post, server, "a", prompt="x y z", max_tokens=100, n=3)
@@ -98,7 +98,7 @@ def test_a_prompt_that_can_never_fit_is_refused_before_tokenizing(server, smollm
 
 def test_a_request_refused_with_503_gets_its_request_back(server):
     """Tenant `shed` (2 requests per window) is refused twice with 503 before any work, once at its queue deadline
-    (it waited in the line, the worker full) and once at once (the line full). Neither counts against its rate: it
+    (it waited in the queue, the worker full) and once at once (the queue full). Neither counts against its rate: it
     then gets its 2 requests (200s, 1 then 0 remaining), and only a third one is 429."""
     _idle(server)
     with ThreadPoolExecutor(8) as pool:

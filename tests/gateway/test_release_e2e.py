@@ -1,5 +1,5 @@
 """No path leaks what an admitted request holds (docs/architecture.md, "Who releases what"): a client that
-disconnects mid-stream (n=2, a list of prompts), one that disconnects while its stream still waits in the line (the
+disconnects mid-stream (n=2, a list of prompts), one that disconnects while its stream still waits in the queue (the
 keep-alive phase), and one that never reads. Afterwards the gateway's open requests, the workers' room, the tenant's
 reserved tokens and concurrency leases (in-process, or in Redis) are back where they started, so are the worker's
 running and waiting requests and KV blocks in use (its heartbeats), the worker stopped stepping for a dropped request

@@ -1,4 +1,4 @@
-"""The waiting line through real servers: fair sharing between tenants (VTC against FCFS), priority with
+"""The queue through real servers: fair sharing between tenants (VTC against FCFS), priority with
 preemption on the worker, deadlines (503 queue_timeout, or an SSE error event after keep-alive comments).
 Assertions count dispatch order (the x-inferd-dispatched-ahead header: requests dispatched while this one waited)
 and engine counters, not milliseconds."""
@@ -54,10 +54,10 @@ def fair_keys(tmp_path_factory):
 
 @pytest.mark.parametrize("policy", ["vtc", "fcfs"])
 def test_a_light_tenant_is_not_stuck_behind_a_heavy_one(serve, fair_keys, policy):
-    """A keeps 16 long-prompt requests in the line of a worker with one slot; B sends one short request at a time.
+    """A keeps 16 long-prompt requests in the queue of a worker with one slot; B sends one short request at a time.
     Under VTC each of B's requests waits for at most 2 dispatches (the one whose service put A's counter past B's,
     and a tie); under FCFS it waits behind A's whole backlog. (The service bound itself, |W_A - W_B| <= 2U over
-    every interval in which both are backlogged, is checked exactly in test_line.py.)"""
+    every interval in which both are backlogged, is checked exactly in test_waiting_queue.py.)"""
     path, keys = fair_keys
     server = serve("--keys", str(path), "--fairness", policy, "--max-num-seqs", "1", "--worker-queue-depth", "0",
                    name=f"fair-{policy}")
@@ -65,7 +65,7 @@ def test_a_light_tenant_is_not_stuck_behind_a_heavy_one(serve, fair_keys, policy
     try:
         ahead = []
         for _ in range(5):
-            # A's backlog is in the line before each of B's requests (A's 16 client threads refill it as its
+            # A's backlog is in the queue before each of B's requests (A's 16 client threads refill it as its
             # requests finish; on a loaded machine they can lag behind the dispatches for a moment)
             server.wait_metrics(lambda m: m.get('inferd_queue_requests{tier="standard"}', 0) >= 12)
             r = completion(server, keys["B"], [22] * 8, 4)
@@ -123,7 +123,7 @@ class LongStream:
 
 def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_keyed):
     """Two long batch streams hold both slots (each has produced a token, so each runs on the worker with ~500 to
-    go) and eight more batch requests wait in the line. The worker is frozen while the interactive request is
+    go) and eight more batch requests wait in the queue. The worker is frozen while the interactive request is
     bound to it, so that it meets both streams still running whatever the machine's speed: it must be dispatched
     before every waiting batch request, and the engine must preempt a stream for it, which then completes."""
     server, keys = tiny_keyed
@@ -168,7 +168,7 @@ def test_interactive_goes_before_every_waiting_batch_request_and_preempts(tiny_k
 @pytest.fixture(scope="module")
 def frozen(serve, tmp_path_factory):
     """An echo server with one slot whose worker the test can freeze (SIGSTOP): a request bound to it then never
-    finishes, so the next one waits in the line for as long as the test wants. The heartbeat timeout is long so
+    finishes, so the next one waits in the queue for as long as the test wants. The heartbeat timeout is long so
     that a frozen worker is not given up."""
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     keys = make_keys(path, {"busy": {}, "late": {}})

@@ -1,4 +1,4 @@
-"""The waiting line as a data structure: priority tiers, VTC fair sharing with its 2U bound, FCFS for comparison,
+"""The queue as a data structure: priority tiers, VTC fair sharing with its 2U bound, FCFS for comparison,
 bounds. A deterministic simulation of one server slot drives it: time advances one unit per generated token."""
 
 from __future__ import annotations
