@@ -8,15 +8,16 @@ import pytest
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, tiny_llama_dir):
-    """Starts servers for a module: serve(*args, echo=True) -> Server; all killed at the module's end."""
+    """Starts servers for a module: serve(*args, echo=True, env=None) -> Server; all killed at the module's end.
+    env: added to the server's environment (INFERD_FAULT reaches its workers)."""
     from servers import kill_group, start_server
 
     started = []
 
-    def start(*args: str, echo: bool = True, name: str = "gw"):
+    def start(*args: str, echo: bool = True, name: str = "gw", env: dict[str, str] | None = None):
         log = tmp_path_factory.mktemp(name) / "serve.log"
         extra = ["--max-model-len", "256", "--heartbeat-interval", "0.1", *(["--echo"] if echo else []), *args]
-        server = start_server(tiny_llama_dir, log, *extra, model_name="tiny")
+        server = start_server(tiny_llama_dir, log, *extra, model_name="tiny", env=env)
         started.append(server)
         return server
 

@@ -59,8 +59,10 @@ def test_a_light_tenant_is_not_stuck_behind_a_heavy_one(serve, fair_keys, policy
     and a tie); under FCFS it waits behind A's whole backlog. (The service bound itself, |W_A - W_B| <= 2U over
     every interval in which both are backlogged, is checked exactly in test_waiting_queue.py.)"""
     path, keys = fair_keys
+    # each echo step slowed to 2 ms: a request of A takes ~120 ms, so the 12 waiting ones outlast the time B's
+    # request takes to arrive on a loaded machine (unslowed, they drained first: 2 ahead under FCFS, once)
     server = serve("--keys", str(path), "--fairness", policy, "--max-num-seqs", "1", "--worker-queue-depth", "0",
-                   name=f"fair-{policy}")
+                   name=f"fair-{policy}", env={"INFERD_FAULT": "action=slow,times=0,ms=2"})
     heavy = ClosedLoop(server, keys["A"], [11] * 120, 60, concurrency=16)
     try:
         ahead = []
