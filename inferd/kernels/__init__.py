@@ -51,7 +51,7 @@ def fused_cpu() -> types.SimpleNamespace | None:
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
                                  decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False,
-                                 decode_layers=ops.decode_layers)
+                                 decode_layers=ops.decode_layers, attention_options=False, partial_rotary=False)
 
 
 # decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups);
@@ -60,7 +60,8 @@ def fused_cpu() -> types.SimpleNamespace | None:
 REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_rms_norm,
                                   rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
                                   paged_decode_attention=reference.paged_decode_attention, decode_in_place=False,
-                                  paged_prefill_attention=None, prefill_varlen=False, decode_layers=None)
+                                  paged_prefill_attention=None, prefill_varlen=False, decode_layers=None,
+                                  attention_options=True, partial_rotary=True)
 
 
 def triton_ops() -> types.SimpleNamespace | None:
@@ -74,7 +75,7 @@ def triton_ops() -> types.SimpleNamespace | None:
                                  rope_kv_write=triton_elementwise.rope_kv_write, silu_mul=triton_elementwise.silu_mul,
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
                                  paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
-                                 decode_layers=None)
+                                 decode_layers=None, attention_options=False, partial_rotary=False)
 
 
 def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,

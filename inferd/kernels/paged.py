@@ -66,16 +66,57 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dty
     return out
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Softmax attention with the options some families add, in the eager form transformers computes them (Gemma 2's
+    soft-cap, gpt-oss's sinks). q [B, n, H, d]; keys, values [n_kv, B, ctx, d] (grouped-query: H = n_kv * group);
+    allowed bool [B, n, ctx] (which keys each query row sees) -> [B, n, H, d]. Scores are scaled, soft-capped
+    (softcap * tanh(s / softcap)) when softcap > 0, then masked; a head's sink logit (sinks [H]) joins the softmax's
+    denominator and takes no value. The softmax runs in float32."""
+    B, n, H, d = q.shape
+    n_kv = keys.shape[0]
+    group = H // n_kv
+    qg = q.view(B, n, n_kv, group, d).permute(2, 0, 3, 1, 4)  # [n_kv, B, group, n, d]
+    scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * scale  # [n_kv, B, group, n, ctx]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~allowed[None, :, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(n_kv, 1, group, 1, 1).expand(n_kv, B, group, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values.unsqueeze(2))  # [n_kv, B, group, n, d]
+    return out.permute(1, 3, 0, 2, 4).reshape(B, n, H, d)
+
+
+def window_allowed(rows: torch.Tensor, cols: torch.Tensor, window: int) -> torch.Tensor:
+    """Which key positions (cols) each query position (rows) sees: causal, and with window > 0 only the last
+    `window` positions, its own included (transformers' sliding window: key > query - window)."""
+    allowed = cols <= rows
+    if window > 0:
+        allowed &= cols > rows - window
+    return allowed
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_indices: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, window: int = 0, sinks: torch.Tensor | None = None,
+                     softcap: float = 0.0) -> torch.Tensor:
     """q: [B, n_heads, d] -> [B, n_heads, d]. block_indices: [B * max_blocks] (each row's table padded to
-    max_blocks); mask: [1, B, 1, max_blocks * block_size] additive (-inf past each row's context)."""
+    max_blocks); mask: [1, B, 1, max_blocks * block_size] additive (-inf past each row's context). window, sinks,
+    softcap: the layer's attention options (attend); a row's context is the prefix its mask leaves open."""
     B, n_heads, d = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     idx = block_indices
     keys = gather_blocks(k_cache, idx, q.dtype).view(n_kv, B, -1, d)  # [n_kv, B, ctx, d]
     values = gather_blocks(v_cache, idx, q.dtype).view(n_kv, B, -1, d)
+    if window > 0 or sinks is not None or softcap:
+        open_ = mask.view(B, -1) == 0  # [B, width]: the prefix [0, len) of each row
+        lens = open_.sum(-1, keepdim=True)
+        cols = torch.arange(open_.shape[1], device=q.device).unsqueeze(0)
+        allowed = window_allowed(lens - 1, cols, window).unsqueeze(1)  # the query sits at position len - 1
+        return attend(q.unsqueeze(1), keys, values, allowed, scale, sinks, softcap).squeeze(1)
     qg = q.view(B, n_kv, group, d).transpose(0, 1)  # [n_kv, B, group, d]
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [n_kv, B, group, ctx]
     scores = scores + mask
@@ -85,26 +126,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, num_cached: int, block_ids: torch.Tensor, scale: float) -> torch.Tensor:
+                      v_cache: torch.Tensor, num_cached: int, block_ids: torch.Tensor, scale: float, window: int = 0,
+                      sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's chunk. q: [n, n_heads, d]; k, v: the chunk's own [n, n_kv, d] -> [n, n_heads, d].
     A first chunk (nothing cached before it) attends to k, v as computed, in the activation dtype; a later chunk
-    reads its whole context, its own new k/v included, back from the cache (dequantized to q's dtype)."""
+    reads its whole context, its own new k/v included, back from the cache (dequantized to q's dtype). window,
+    sinks, softcap: the layer's attention options (attend)."""
     n = q.shape[0]
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, d]
     if num_cached == 0:
-        keys = k.transpose(0, 1).unsqueeze(0)
-        values = v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, n, d]
     else:
         n_kv, _, block_size, d = k_cache.shape
         ctx = num_cached + n
-        keys = gather_blocks(k_cache, block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
-        values = gather_blocks(v_cache, block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx].unsqueeze(0)
-        # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
-        rows = torch.arange(n, device=q.device).unsqueeze(1) + num_cached
-        cols = torch.arange(ctx, device=q.device).unsqueeze(0)
-        mask = cols <= rows
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        keys = gather_blocks(k_cache, block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx]
+        values = gather_blocks(v_cache, block_ids, q.dtype).view(n_kv, -1, d)[:, :ctx]
+    # query i sits at absolute position num_cached + i and sees keys [0, num_cached + i]
+    rows = torch.arange(n, device=q.device).unsqueeze(1) + num_cached
+    cols = torch.arange(keys.shape[1], device=q.device).unsqueeze(0)
+    if window > 0 or sinks is not None or softcap:
+        allowed = window_allowed(rows, cols, window).unsqueeze(0)
+        return attend(q.unsqueeze(0), keys.unsqueeze(1), values.unsqueeze(1), allowed, scale, sinks,
+                      softcap).squeeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, n_heads, n, d]
+    if num_cached == 0:
+        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=cols <= rows,
+                                             scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels import paged
+from ..kernels import REFERENCE, paged, reference
 from ..kernels.paged import build_decode_mask, dequantize, gather_blocks, write_kv  # noqa: F401 - the model's API
 from .batch_invariant import invariant_attention
 from .config import ModelConfig
-from .layers import Linear
+from .layers import Linear, RMSNorm
 
 
 @dataclass
@@ -83,9 +83,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 class Attention(nn.Module):
-    """Grouped-query attention of one layer (num_key_value_heads KV heads shared by the query heads)."""
+    """Grouped-query attention of one layer (num_key_value_heads KV heads shared by the query heads), with the
+    options some families add, read from the config for this layer: a sliding window (Mistral, Gemma 2/3, gpt-oss),
+    per-head sinks (gpt-oss), soft-capped scores (Gemma 2), q/k RMSNorm per head (Qwen3, Gemma 3), a scale of
+    query_pre_attn_scalar ** -0.5 (Gemma). Where the step's ops do not take the options (ops.attention_options
+    False) a layer that has them runs the references' attention."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -95,35 +99,67 @@ class Attention(nn.Module):
         h, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(h, qkv, config.attention_bias)
         self.o_proj = Linear(self.q_size, h, False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_window(layer)
+        self.softcap = float(config.attn_logit_softcapping or 0.0)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if config.attention_sinks else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.partial_rotary = config.rotary_dim < self.head_dim
+
+    @property
+    def plain(self) -> bool:
+        """No option: what every kernel (the fused decode stack included) runs."""
+        return not (self.window or self.softcap or self.sinks is not None or self.q_norm is not None
+                    or self.partial_rotary)
+
+    def options(self) -> dict:
+        return dict(window=self.window, sinks=self.sinks, softcap=self.softcap)
 
     def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache, ops, rotary):
         T = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [T, q + k + v], rows contiguous
+        if self.q_norm is not None:  # per head, before RoPE, in place in the fused rows
+            q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
+            q.copy_(self.q_norm.forward(q))
+            k.copy_(self.k_norm.forward(k))
         # RoPE on q and k in place, and k, v written to their cache slots: one op (kernels/)
-        ops.rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping, self.n_heads,
-                          self.n_kv)
+        rope_kv_write = ops.rope_kv_write if ops.partial_rotary or not self.partial_rotary else REFERENCE.rope_kv_write
+        rope_kv_write(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping, self.n_heads,
+                      self.n_kv)
         q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
+        options = {}
+        if self.window or self.softcap or self.sinks is not None:
+            options = self.options()
+            if not ops.attention_options:
+                ops = REFERENCE
         if meta.invariant is not None:  # batch-invariant mode: every row the same way (batch_invariant.py)
+            if options:
+                raise ValueError("batch-invariant mode does not run sliding windows, sinks or soft-capping")
             out = invariant_attention(q, k_cache, v_cache, meta.invariant, self.scale)
             return self.o_proj.forward(out.reshape(T, self.q_size))
         parts = []
         if meta.decode_tables is not None:  # the fused kernel reads the paged cache in place
             nd = meta.num_decode_tokens
             parts.append(ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens,
-                                                    self.scale))
+                                                    self.scale, **options))
         else:
-            parts.extend(decode_attention(q[g.start:g.end], k_cache, v_cache, g, self.scale)
+            parts.extend(paged.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_indices, g.mask,
+                                                self.scale, **options)
                          for g in meta.decode_groups)
         if meta.prefill_tables is not None:  # every chunk in one call, read from the cache in place
             nd = meta.num_decode_tokens
-            parts.append(ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens,
-                                                     meta.prefill_context_lens, meta.prefill_tables, self.scale))
+            # the references' varlen contract, one sequence at a time, where the options sent a Triton step there
+            prefill = ops.paged_prefill_attention or reference.paged_prefill_attention
+            parts.append(prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_context_lens,
+                                 meta.prefill_tables, self.scale, **options))
         elif meta.prefills:
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
             for seq in meta.prefills:
                 s, e = seq.start, seq.end
-                parts.append(prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, self.scale))
+                parts.append(paged.prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq.num_cached,
+                                                     seq.block_ids, self.scale, **options))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return self.o_proj.forward(out.reshape(T, self.q_size))

@@ -31,6 +31,30 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # attention options of some families (models/attention.py, kernels/paged.attend)
+    sliding_window: int | None = None  # the positions a sliding layer attends to, its own included
+    # each layer's kind, "sliding_attention" or "full_attention" (transformers' layer_types); None with a
+    # sliding_window: every layer slides
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores soft-capped, softcap * tanh(s / softcap)
+    final_logit_softcapping: float | None = None  # Gemma 2/3: the logits soft-capped the same way
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax's denominator
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5
+    partial_rotary_factor: float = 1.0  # Phi: RoPE on the first head_dim * factor dims of each head
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of layer `layer` (0: it attends to its whole context)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (head_dim, less with partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -20,10 +20,10 @@ from .rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -44,7 +44,7 @@ class LlamaForCausalLM(nn.Module):
         # _weight: no random init (on the meta device, normal_ goes through torch._refs and imports torch._dynamo,
         # 1.2 s of every worker start); the checkpoint fills it
         self.embed_tokens = nn.Embedding(v, h, _weight=torch.empty(v, h))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         # a tied head still gets its own Linear: on CPU it is repacked, and the embedding keeps its plain rows
         self.lm_head = Linear(h, v, False)
@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         """decode_layers' lists for a step of `rows` rows (norm weights, then per layer four (kind, weight, aux,
         bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
         has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
-        different norm epsilons)."""
+        different norm epsilons, attention options)."""
         key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
         cache = self.__dict__.setdefault("_decode_stacks", {})
         if key in cache:
@@ -88,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         ok = True
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            ok &= attn.plain
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 ok &= norm.eps == self.norm.eps
                 norms.append(norm.weight)

@@ -11,7 +11,7 @@ from .config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+    dim = config.rotary_dim  # partial rotary (Phi): the tables cover only the rotated dims
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
     )

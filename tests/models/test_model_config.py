@@ -54,6 +54,23 @@ CHECKS = {
                                         and layer.self_attn.o_proj.bias is None for layer in hf.model.layers),
     "bos_token_id": lambda c, hf: hf.config.bos_token_id == c.bos_token_id,
     "eos_token_ids": lambda c, hf: _eos(hf.config.eos_token_id) == c.eos_token_ids,
+    # the attention options: what each transformers attention layer holds
+    "sliding_window": lambda c, hf: all(c.layer_window(i) == (getattr(layer.self_attn, "sliding_window", None) or 0)
+                                        for i, layer in enumerate(hf.model.layers)),
+    "layer_types": lambda c, hf: all(c.layer_window(i) == (getattr(layer.self_attn, "sliding_window", None) or 0)
+                                     for i, layer in enumerate(hf.model.layers)),
+    "attn_logit_softcapping": lambda c, hf: all(getattr(layer.self_attn, "attn_logit_softcapping", None)
+                                                == c.attn_logit_softcapping for layer in hf.model.layers),
+    "final_logit_softcapping": lambda c, hf: getattr(hf.config, "final_logit_softcapping", None)
+    == c.final_logit_softcapping,
+    "attention_sinks": lambda c, hf: all(hasattr(layer.self_attn, "sinks") == c.attention_sinks
+                                         for layer in hf.model.layers),
+    "qk_norm": lambda c, hf: all(hasattr(layer.self_attn, "q_norm") == hasattr(layer.self_attn, "k_norm") == c.qk_norm
+                                 for layer in hf.model.layers),
+    "query_pre_attn_scalar": lambda c, hf: all(layer.self_attn.scaling
+                                               == (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+                                               for layer in hf.model.layers),
+    "partial_rotary_factor": lambda c, hf: hf.model.rotary_emb.inv_freq.numel() * 2 == c.rotary_dim,
 }
 
 
