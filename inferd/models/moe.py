@@ -219,11 +219,16 @@ class SparseMoE(nn.Module):
         if spec.biased != (gate_up_bias is not None and down_bias is not None):
             raise ValueError(f"{spec.family}'s experts {'have' if spec.biased else 'have no'} biases")
         lo, hi = self.expert_start, self.expert_stop
-        ex.gate_up.copy_(gate_up[lo:hi])
-        ex.down.copy_(down[lo:hi])
-        if spec.biased:
-            ex.gate_up_bias.copy_(gate_up_bias[lo:hi])
-            ex.down_bias.copy_(down_bias[lo:hi])
+        self._copy_local(gate_up[lo:hi], down[lo:hi], None if gate_up_bias is None else gate_up_bias[lo:hi],
+                         None if down_bias is None else down_bias[lo:hi])
+
+    def _copy_local(self, gate_up, down, gate_up_bias, down_bias) -> None:
+        ex = self.experts
+        ex.gate_up.copy_(gate_up)
+        ex.down.copy_(down)
+        if ex.gate_up_bias is not None:
+            ex.gate_up_bias.copy_(gate_up_bias)
+            ex.down_bias.copy_(down_bias)
 
     @torch.no_grad()
     def load_hf_state(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> set[str]:
@@ -258,11 +263,15 @@ class SparseMoE(nn.Module):
         if names is None:
             raise KeyError(f"{prefix}experts.gate_up_proj")
         g, u, d = names
-        E = spec.num_experts
+        local = range(self.expert_start, self.expert_stop)  # only this block's experts are read (and marked used)
         gate_up = torch.stack([torch.cat([take(f"experts.{e}.{g}.weight"), take(f"experts.{e}.{u}.weight")])
-                               for e in range(E)])
-        down = torch.stack([take(f"experts.{e}.{d}.weight") for e in range(E)])
-        self.load_experts(gate_up, down)
+                               for e in local])
+        down = torch.stack([take(f"experts.{e}.{d}.weight") for e in local])
+        n, H, inter = len(local), spec.hidden_size, spec.intermediate_size
+        if tuple(gate_up.shape) != (n, 2 * inter, H) or tuple(down.shape) != (n, H, inter):
+            raise ValueError(f"{prefix}experts: gate/up {tuple(gate_up.shape[1:])} and down "
+                             f"{tuple(down.shape[1:])} per expert, expected {(2 * inter, H)} and {(H, inter)}")
+        self._copy_local(gate_up, down, None, None)
         return used
 
     @classmethod
