@@ -93,9 +93,14 @@ def pair(request):
 @torch.no_grad()
 def test_matches_transformers(pair):
     family, block, ours = pair
+    packed = SparseMoE(ours.spec)
+    packed.load_state_dict(ours.state_dict())
+    assert packed.pack() and packed.experts.packed is not None  # oneDNN's layout, as build_model leaves a CPU model
     for T in (1, 37):
         x = inputs(T)
-        assert_close(ours(x), hf_out(block, x), f"{family} T={T}")
+        ref = hf_out(block, x)
+        assert_close(ours(x), ref, f"{family} T={T}")
+        assert_close(packed(x), ref, f"{family} T={T}, packed")
     assert bool((ours.last_expert_counts > 0).all()), f"{family}: 37 tokens did not reach every expert"
 
 
@@ -196,6 +201,7 @@ def test_quantized_experts_match_dequantized(mode, pair):
     family, _, ours = pair
     q = SparseMoE(ours.spec)
     q.load_state_dict(ours.state_dict())
+    q.pack()  # as build_model leaves it: quantize_model reads the packed weights back
 
     class Holder(torch.nn.Module):
         def __init__(self):
