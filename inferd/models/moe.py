@@ -88,6 +88,14 @@ class MoESpec:
         raise ValueError(f"not an MoE family: model_type {family!r}")
 
 
+def hf_block_prefix(state: Mapping[str, torch.Tensor], layer_prefix: str) -> str:
+    """Where a decoder layer's MoE block sits in a transformers state dict: "<layer>.block_sparse_moe." in Mixtral
+    checkpoints (transformers 5 renames it to mlp when it loads them), "<layer>.mlp." otherwise. layer_prefix:
+    "model.layers.3." (with its dot)."""
+    legacy = layer_prefix + "block_sparse_moe."
+    return legacy if any(k.startswith(legacy) for k in state) else layer_prefix + "mlp."
+
+
 def gpt_oss_swiglu(gate_up: torch.Tensor, alpha: float = GPT_OSS_SWIGLU_ALPHA,
                    limit: float = GPT_OSS_SWIGLU_LIMIT) -> torch.Tensor:
     """gpt-oss's activation over [.., 2I] rows (gate half, then up half: our de-interleaved layout), as
@@ -379,6 +387,8 @@ class SparseMoE(nn.Module):
         skip = sum(all_counts[:self.expert_start])  # pairs of experts before this block's range
         counts = all_counts[self.expert_start:self.expert_stop]
         n = sum(counts)
+        if n == 0:  # no token chose this block's experts (an expert-parallel shard)
+            return torch.zeros_like(x)
         pairs = order[skip:skip + n]
         tokens = pairs // k
         rows = x[tokens]

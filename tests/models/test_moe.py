@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inferd.models.moe import MoESpec, SparseMoE
+from inferd.models.moe import MoESpec, SparseMoE, hf_block_prefix
 from inferd.models.quantize import _float_weight, quantize_model
 from parity import FP32, scale_of
 
@@ -119,6 +119,12 @@ def test_every_token_to_the_same_experts(pair):
         out = ours(x)
         assert ours.last_expert_counts.tolist() == [0, 0, 0, 37, 0, 37, 0, 0]
         assert_close(out, hf_out(block, x), f"{family} one expert pair")
+        # an expert-parallel shard holding experts no token chose adds nothing
+        shard = SparseMoE(ours.spec, (0, 2))
+        ex = ours.experts
+        shard.load_router(ours.router.weight, ours.router.bias)
+        shard.load_experts(ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias)
+        assert torch.equal(shard(x), torch.zeros_like(x))
     finally:
         router.weight.copy_(saved)
         ours.router.load(saved, getattr(router, "bias", None))
@@ -182,7 +188,8 @@ def test_loads_saved_checkpoint_names(family, tmp_path):
             p.normal_(0, 0.15)
     model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    prefix = "model.layers.0.block_sparse_moe." if family == "mixtral" else "model.layers.0.mlp."
+    prefix = hf_block_prefix(state, "model.layers.0.")
+    assert prefix == ("model.layers.0.block_sparse_moe." if family == "mixtral" else "model.layers.0.mlp.")
     assert prefix + "experts.0.down_proj.weight" in state or prefix + "experts.0.w2.weight" in state
     ours = SparseMoE(MoESpec.from_hf_config(cfg))
     used = ours.load_hf_state(state, prefix)
