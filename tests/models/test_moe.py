@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from inferd.models.moe import MoESpec, SparseMoE, hf_block_prefix
-from inferd.models.quantize import _float_weight, quantize_model
+from inferd.models.quantize import _float_weight, quantize_model, weight_bytes
 from parity import FP32, scale_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -248,3 +248,9 @@ def test_weight_bytes_touched_counts_each_expert_once(pair):
     with torch.no_grad():
         ours(inputs(1))
     assert ours.weight_bytes_touched() == router + TOP_K * per_expert  # one token: its k experts only
+    # the whole block as stored, also once packed for oneDNN (the stacked weights freed)
+    packed = SparseMoE(ours.spec)
+    packed.load_state_dict(ours.state_dict())
+    assert weight_bytes(packed) == router + EXPERTS * per_expert
+    packed.pack()
+    assert weight_bytes(packed) == router + EXPERTS * per_expert  # oneDNN's blocked layout: no padding here
