@@ -351,7 +351,8 @@ class SparseMoE(nn.Module):
     def pack(self) -> bool:
         """The experts (DenseExperts.pack) and the router repacked for oneDNN on CPU; whether the experts were. A
         model's pack_weights must call this: the experts are not Linears."""
-        self.router.pack()
+        if self.router.packed is None:  # a model's loop over its Linears may have packed it already
+            self.router.pack()
         return isinstance(self.experts, DenseExperts) and self.experts.pack()
 
     # ---- compute ---------------------------------------------------------------------------------------------------
