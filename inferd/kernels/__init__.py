@@ -51,7 +51,7 @@ def fused_cpu() -> types.SimpleNamespace | None:
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
                                  decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False,
-                                 decode_layers=ops.decode_layers, attention_options=False, partial_rotary=False)
+                                 decode_layers=ops.decode_layers, attention_options=True, partial_rotary=True)
 
 
 # decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups);
