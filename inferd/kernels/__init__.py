@@ -75,7 +75,7 @@ def triton_ops() -> types.SimpleNamespace | None:
                                  rope_kv_write=triton_elementwise.rope_kv_write, silu_mul=triton_elementwise.silu_mul,
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
                                  paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
-                                 decode_layers=None, attention_options=False, partial_rotary=False)
+                                 decode_layers=None, attention_options=True, partial_rotary=True)
 
 
 def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
