@@ -4,11 +4,14 @@
 - rope_kv_write: RoPE on q and k, in place in the fused qkv rows, with the KV cache write;
 - silu_mul: SiLU(gate) * up over the fused gate/up rows;
 - paged_decode_attention: one-token queries attending to their context where it lies in the paged cache (no
-  gathered, padded copy; no mask);
+  gathered, padded copy; no mask), with a layer's attention options (window=, sinks=, softcap=: paged.attend) in
+  every implementation (`attention_options`); rope_kv_write takes tables narrower than head_dim (partial rotary)
+  in every implementation (`partial_rotary`);
 - decode_layers (CPU): the whole decoder stack of a pure decode step in one call, the same ops in the same order as
   the Python layers (so the same bits) without their per-call Python overhead;
 - paged_prefill_attention (GPU): the prefill chunks of several sequences in one launch, each attending causally to
-  its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`).
+  its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`), with
+  the same attention options.
 
 `reference.py` (and `paged.py` for attention) hold the torch references; `cpu_ops.cpp` the fused CPU versions
 (built by build.py for this CPU, loaded as torch.ops.inferd.*). A model asks `select(device, dtype, kv_dtype, mode)`

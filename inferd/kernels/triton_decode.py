@@ -29,6 +29,13 @@ Why this shape of kernel:
   context_lens (a sync on a GPU), so a CUDA graph can capture it. The num_splits heuristic (default_num_splits)
   uses the block table's width as the bound on the longest row for that reason.
 
+Attention options (paged.attend's semantics, reference.paged_decode_attention's contract): a sliding window
+(window > 0) moves the row's first position to max(0, len - window), and the splits share the tiles from there (the
+ones before are never read; the num_splits heuristic bounds a row by the window); a soft-cap computes
+softcap * tanh(scale * q.k / softcap) (tanh_f32: exp2 only, the interpreter has no libdevice) before the mask;
+sinks (one logit per query head) start split 0's running max and sum (m = sink, l = 1, no value), so the merge
+counts each sink once whatever the number of splits.
+
 Float8 (e4m3fn) caches are read as their bytes (a uint8 view made on the host, so no float8 pointer type is needed)
 and decoded to float32 with integer operations in the kernel, exactly for every finite code, subnormals included,
 then cast to q's dtype (exact in fp32, fp16 and bf16: e4m3 has 3 mantissa bits and exponents -9..8) -- what the

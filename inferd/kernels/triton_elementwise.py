@@ -17,14 +17,16 @@ fp16/bf16 tensors and rounding its result to the tensor's dtype):
   weight, whose product is rounded again. Only the summation order of the sum of squares differs from torch's.
 - rope_kv_write: one program per (token, head) over the H + 2 KV heads of the fused qkv row. A q or k program
   rotates its head in place (neox rotate-half: out[:h] = x[:h] cos[:h] - x[h:] sin[:h], out[h:] = x[h:] cos[h:] +
-  x[:h] sin[h:], h = D / 2, with the full-width [max_pos, D] cos/sin tables indexed by position and column, each
+  x[:h] sin[h:], h = D / 2, with the [max_pos, D] cos/sin tables indexed by position and column, each
   product and the sum rounded to qkv's dtype as the reference's separate torch ops round them); a k program then
   stores its rotated head (as rounded into qkv) to the cache, a v program copies its head. The head is loaded as its
   two halves (tiles of next_pow2(D / 2) lanes, masked to D / 2), so the rotation needs no shuffles. Per-(token, head)
   programs keep the grid wide at decode (batch 1 still gets H + 2 KV programs) with no cross-program dependency:
-  each program reads and writes only its own head. The cache write casts to the cache's dtype (round to nearest
-  even: what torch's .to() does); a float8_e4m3fn cache is viewed as uint8 on the host and the kernel encodes the
-  bits itself with integer operations (below), so no float8 pointer type or hardware conversion is needed.
+  each program reads and writes only its own head. Tables R < D wide (partial rotary) rotate the head's first R dims
+  (halves of R / 2) and a third tile carries the other D - R dims through to the cache. The cache write casts to
+  the cache's dtype (round to nearest even: what torch's .to() does); a float8_e4m3fn cache is viewed as uint8 on
+  the host and the kernel encodes the bits itself with integer operations (below), so no float8 pointer type or
+  hardware conversion is needed.
   The launch passes enable_fp_fusion=False: with contraction on, the GPU compiler would fuse x * cos + r * sin into
   one FMA (one rounding instead of the reference's three), breaking bit equality in float32.
 - silu_mul: one program per (row, BLOCK columns) of the [T, I] output; silu(gate) = gate / (1 + exp(-gate)) in

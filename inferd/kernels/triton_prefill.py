@@ -31,6 +31,11 @@ and decoded to float32 with integer operations in the kernel, exactly for every 
 then cast to q's dtype (exact for fp32, fp16 and bf16: e4m3 has 3 mantissa bits and exponents -9..8), which is
 what the reference (paged.gather_blocks) computes in.
 
+Attention options (as the decode kernel; reference.paged_prefill_attention is the contract): with a window a row
+sees keys (q_pos - window, q_pos], so the key loop starts at the program's first row's window; a later row of the
+tile may see nothing in the first key tiles, where its running max stays -inf (m_safe keeps -inf - -inf out of the
+update). The soft-cap applies before the mask; a head's sink starts the running max and sum.
+
 GQA: program (p, h) reads KV head h // (H // KV); head groups of 1, 3 (SmolLM2: H=9, KV=3) and 8 are tested.
 
 The module imports without triton (AVAILABLE is False then) so the engine can import it on any machine; only a
