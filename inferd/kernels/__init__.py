@@ -4,11 +4,14 @@
 - rope_kv_write: RoPE on q and k, in place in the fused qkv rows, with the KV cache write;
 - silu_mul: SiLU(gate) * up over the fused gate/up rows;
 - paged_decode_attention: one-token queries attending to their context where it lies in the paged cache (no
-  gathered, padded copy; no mask);
+  gathered, padded copy; no mask), with a layer's attention options (window=, sinks=, softcap=: paged.attend) in
+  every implementation (`attention_options`); rope_kv_write takes tables narrower than head_dim (partial rotary)
+  in every implementation (`partial_rotary`);
 - decode_layers (CPU): the whole decoder stack of a pure decode step in one call, the same ops in the same order as
   the Python layers (so the same bits) without their per-call Python overhead;
 - paged_prefill_attention (GPU): the prefill chunks of several sequences in one launch, each attending causally to
-  its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`).
+  its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`), with
+  the same attention options.
 
 `reference.py` (and `paged.py` for attention) hold the torch references; `cpu_ops.cpp` the fused CPU versions
 (built by build.py for this CPU, loaded as torch.ops.inferd.*). A model asks `select(device, dtype, kv_dtype, mode)`
@@ -53,7 +56,7 @@ def fused_cpu() -> types.SimpleNamespace | None:
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
                                  decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False,
-                                 decode_layers=ops.decode_layers, attention_options=False, partial_rotary=False)
+                                 decode_layers=ops.decode_layers, attention_options=True, partial_rotary=True)
 
 
 # decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups);
@@ -77,7 +80,7 @@ def triton_ops() -> types.SimpleNamespace | None:
                                  rope_kv_write=triton_elementwise.rope_kv_write, silu_mul=triton_elementwise.silu_mul,
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
                                  paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
-                                 decode_layers=None, attention_options=False, partial_rotary=False,
+                                 decode_layers=None, attention_options=True, partial_rotary=True,
                                  fused_moe=triton_moe.fused_moe)
 
 

@@ -64,6 +64,18 @@ inline float exp_f32(float x) {
   return p * scale;
 }
 
+// tanh(x) for float32, branch-free (vectorizes) from exp_f32: Cephes' tanhf, an odd polynomial below |x| = 0.625
+// (where 1 - 2 / (e^2x + 1) would cancel) and 1 - 2 / (e^2|x| + 1) above, a few ulp from the exact value. The
+// attention soft-cap (softcap * tanh(s / softcap)) needs it once per score.
+inline float tanh_f32(float x) {
+  const float a = std::fabs(x);
+  const float z = x * x;
+  const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                        1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+  const float big = 1.f - 2.f / (exp_f32(2.f * a) + 1.f);
+  return a < 0.625f ? small : std::copysign(big, x);
+}
+
 template <typename T>
 struct Cvt {  // c10::Half
   static inline float load(T x) { return static_cast<float>(x); }
@@ -164,24 +176,25 @@ at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor residual,
 // qkv: [T, (H + 2 KV) * D], rows contiguous. The q and k heads are rotated in place (rotate_half convention:
 // x * cos + cat(-x2, x1) * sin, each product and the sum rounded as torch would), then k and v are copied to their
 // cache slots (cast to the cache's dtype when it is float32/bf16/fp16; other caches are written by the caller).
+// Tables R < D wide (partial rotary, Phi) rotate each head's first R dims (halves of R / 2) and leave the rest.
 template <typename T>
 void rope_kernel(T* qkv, int64_t row_stride, const int64_t* pos, const T* cos, const T* sin, int64_t T_, int64_t H,
-                 int64_t KV, int64_t D) {
-  const int64_t half = D / 2;
+                 int64_t KV, int64_t D, int64_t R) {
+  const int64_t half = R / 2;
   at::parallel_for(0, T_, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(D);
+    std::vector<float> tmp(R);
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + pos[t] * D;
-      const T* s = sin + pos[t] * D;
+      const T* c = cos + pos[t] * R;
+      const T* s = sin + pos[t] * R;
       T* row = qkv + t * row_stride;
       for (int64_t h = 0; h < H + KV; ++h) {
         T* x = row + h * D;
-        for (int64_t j = 0; j < D; ++j) {
+        for (int64_t j = 0; j < R; ++j) {
           float rot = j < half ? -to_f(x[j + half]) : to_f(x[j - half]);
           // -x rounds exactly; rotate_half(x) * sin rounded, x * cos rounded, their sum rounded
           tmp[j] = rnd<T>(rnd<T>(to_f(x[j]) * to_f(c[j])) + rnd<T>(rot * to_f(s[j])));
         }
-        for (int64_t j = 0; j < D; ++j) x[j] = from_f<T>(tmp[j]);
+        for (int64_t j = 0; j < R; ++j) x[j] = from_f<T>(tmp[j]);
       }
     }
   });
@@ -223,9 +236,11 @@ void rope_kv_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
                   positions.numel() == T_ && slot_mapping.numel() == T_ && positions.is_contiguous() &&
                   slot_mapping.is_contiguous(),
               "positions and slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(),
-              "cos/sin must be contiguous [positions, D] tables of qkv's dtype");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos/sin must be contiguous [positions, R] tables of qkv's dtype");
+  const int64_t R = cos.size(1);  // the rotated dims of each head: D, or fewer with partial rotary
+  TORCH_CHECK(R > 0 && R <= D && R % 2 == 0, "the rope tables' width must be even and at most head_dim");
   const int64_t max_pos = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the rope table");
@@ -236,7 +251,7 @@ void rope_kv_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
     using T = typename Raw<scalar_t>::type;
     T* qkv_p = raw<scalar_t>(qkv);
     rope_kernel<T>(qkv_p, qkv.stride(0), pos, raw<scalar_t>(cos), raw<scalar_t>(sin), T_, num_heads,
-                   num_kv_heads, D);
+                   num_kv_heads, D, R);
     const int64_t head_stride = num_slots * D;
     auto ct = k_cache.scalar_type();
     if (ct == at::kFloat) {
@@ -291,14 +306,29 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // [B, max_blocks]; context_lens int32 [B]. Each (sequence, KV head) is one task: the G = H / KV query heads that
 // share the KV head score every key of the context (read where it lies: no gathered copy, no padding, no mask),
 // softmax in float32, and the weighted sum of the values.
-// softmax in place over each of G rows of L scores (float32)
-inline void softmax_rows(float* scores, int64_t G, int64_t L) {
+// A layer's attention options (paged.attend's semantics): window > 0 keeps the last `window` positions of the
+// context (the query's own included), and the blocks wholly before them are never read; softcap > 0 soft-caps each
+// scaled score (softcap * tanh(s / softcap)); sinks (one float32 logit per query head) join each softmax's
+// denominator and take no value.
+struct AttnOptions {
+  int64_t window = 0;
+  const float* sinks = nullptr;  // [H], float32
+  float softcap = 0.f;
+};
+
+// softmax in place over each of G rows of L scores (float32), soft-capped first when softcap > 0; sink (nullable):
+// the G rows' sink logits
+inline void softmax_rows(float* scores, int64_t G, int64_t L, float softcap = 0.f, const float* sink = nullptr) {
+  if (softcap > 0.f) {
+#pragma omp simd
+    for (int64_t t = 0; t < G * L; ++t) scores[t] = softcap * tanh_f32(scores[t] / softcap);
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * L;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sink ? sink[g] : -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
     for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
+    float sum = sink ? exp_f32(sink[g] - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) {
       sg[t] = exp_f32(sg[t] - m);
@@ -332,45 +362,47 @@ inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t D) {
 #define INFERD_HAVE_DPBF16 1
 
 // One (sequence, KV head) task for bf16 q and cache with head_dim 64 and G <= 4 query heads per KV head (SmolLM2,
-// Llama 3): q, the accumulators and a value row stay in registers; scores by bf16 pair dot products.
+// Llama 3): q, the accumulators and a value row stay in registers; scores by bf16 pair dot products. Positions
+// [lo, L) (lo > 0: a sliding window), scores[g * (L - lo) + t - lo].
 template <int G>
-void attn_task_bf16_d64(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table, int64_t L,
-                        int64_t bs, float scale, float* scores, uint16_t* out, int64_t out_head_stride) {
+void attn_task_bf16_d64(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int32_t* table, int64_t lo,
+                        int64_t L, int64_t bs, float scale, float softcap, const float* sink, float* scores,
+                        uint16_t* out, int64_t out_head_stride) {
   __m512i qv[G][2];
   for (int g = 0; g < G; ++g) {
     qv[g][0] = _mm512_loadu_si512(reinterpret_cast<const void*>(q + g * 64));
     qv[g][1] = _mm512_loadu_si512(reinterpret_cast<const void*>(q + g * 64 + 32));
   }
-  const int64_t nblk = (L + bs - 1) / bs;
-  for (int64_t blk = 0; blk < nblk; ++blk) {
+  const int64_t nblk = (L + bs - 1) / bs, W = L - lo;
+  for (int64_t blk = lo / bs; blk < nblk; ++blk) {
     const uint16_t* kb = kh + static_cast<int64_t>(table[blk]) * bs * 64;
     const int64_t n = std::min(bs, L - blk * bs);
-    for (int64_t o = 0; o < n; ++o) {
+    for (int64_t o = std::max<int64_t>(0, lo - blk * bs); o < n; ++o) {
       const __m512i k0 = _mm512_loadu_si512(reinterpret_cast<const void*>(kb + o * 64));
       const __m512i k1 = _mm512_loadu_si512(reinterpret_cast<const void*>(kb + o * 64 + 32));
       for (int g = 0; g < G; ++g) {
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[g][0], (__m512bh)k0);
         a = _mm512_dpbf16_ps(a, (__m512bh)qv[g][1], (__m512bh)k1);
-        scores[g * L + blk * bs + o] = _mm512_reduce_add_ps(a) * scale;
+        scores[g * W + blk * bs + o - lo] = _mm512_reduce_add_ps(a) * scale;
       }
     }
   }
-  softmax_rows(scores, G, L);
+  softmax_rows(scores, G, W, softcap, sink);
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < nblk; ++blk) {
+  for (int64_t blk = lo / bs; blk < nblk; ++blk) {
     const uint16_t* vb = vh + static_cast<int64_t>(table[blk]) * bs * 64;
     const int64_t n = std::min(bs, L - blk * bs);
-    for (int64_t o = 0; o < n; ++o) {
+    for (int64_t o = std::max<int64_t>(0, lo - blk * bs); o < n; ++o) {
       __m512 vf[4];
       for (int i = 0; i < 4; ++i) {
         const __m256i raw16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + o * 64 + 16 * i));
         vf[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw16), 16));
       }
-      const int64_t t = blk * bs + o;
+      const int64_t t = blk * bs + o - lo;
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+        const __m512 p = _mm512_set1_ps(scores[g * W + t]);
         for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(p, vf[i], acc[g][i]);
       }
     }
@@ -387,7 +419,7 @@ void attn_task_bf16_d64(const uint16_t* q, const uint16_t* kh, const uint16_t* v
 template <typename T, typename C>
 void decode_attention_kernel(const T* q, int64_t q_row_stride, const C* kc, const C* vc, const int32_t* tables,
                              int64_t max_blocks, const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KV,
-                             int64_t D, int64_t num_blocks, int64_t bs, float scale) {
+                             int64_t D, int64_t num_blocks, int64_t bs, float scale, const AttnOptions& opt) {
   const int64_t G = H / KV;
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
@@ -396,20 +428,25 @@ void decode_attention_kernel(const T* q, int64_t q_row_stride, const C* kc, cons
       const int64_t b = task / KV, h = task % KV;
       const int64_t L = lens[b];
       const int64_t nblk = (L + bs - 1) / bs;
+      const int64_t lo = opt.window > 0 ? std::max<int64_t>(0, L - opt.window) : 0;  // the first position seen
+      const int64_t W = L - lo, blk0 = lo / bs;
+      const float* sink = opt.sinks ? opt.sinks + h * G : nullptr;
       const int32_t* table = tables + b * max_blocks;
 #ifdef INFERD_HAVE_DPBF16
       if constexpr (std::is_same<T, uint16_t>::value && std::is_same<C, uint16_t>::value) {
         if (D == 64 && G <= 4) {
-          scores.resize(G * L);
+          scores.resize(G * W);
           const T* qrow = q + b * q_row_stride + h * G * D;
           const C* kh = kc + h * num_blocks * bs * D;
           const C* vh = vc + h * num_blocks * bs * D;
           T* o = out + (b * H + h * G) * D;
+          float* sp = scores.data();
+          const float cap = opt.softcap;
           switch (G) {
-            case 1: attn_task_bf16_d64<1>(qrow, kh, vh, table, L, bs, scale, scores.data(), o, D); break;
-            case 2: attn_task_bf16_d64<2>(qrow, kh, vh, table, L, bs, scale, scores.data(), o, D); break;
-            case 3: attn_task_bf16_d64<3>(qrow, kh, vh, table, L, bs, scale, scores.data(), o, D); break;
-            default: attn_task_bf16_d64<4>(qrow, kh, vh, table, L, bs, scale, scores.data(), o, D); break;
+            case 1: attn_task_bf16_d64<1>(qrow, kh, vh, table, lo, L, bs, scale, cap, sink, sp, o, D); break;
+            case 2: attn_task_bf16_d64<2>(qrow, kh, vh, table, lo, L, bs, scale, cap, sink, sp, o, D); break;
+            case 3: attn_task_bf16_d64<3>(qrow, kh, vh, table, lo, L, bs, scale, cap, sink, sp, o, D); break;
+            default: attn_task_bf16_d64<4>(qrow, kh, vh, table, lo, L, bs, scale, cap, sink, sp, o, D); break;
           }
           continue;
         }
@@ -422,36 +459,36 @@ void decode_attention_kernel(const T* q, int64_t q_row_stride, const C* kc, cons
       if (use_dp && D % 32 == 0)
         for (int64_t j = 0; j < G * D; ++j) qb[j] = f_to_bf16_bits(qf[j]);  // exact: q is bf16
 #endif
-      scores.resize(G * L);
+      scores.resize(G * W);
       const C* kh = kc + h * num_blocks * bs * D;
       const C* vh = vc + h * num_blocks * bs * D;
-      for (int64_t blk = 0; blk < nblk; ++blk) {
+      for (int64_t blk = blk0; blk < nblk; ++blk) {
         const C* kb = kh + static_cast<int64_t>(table[blk]) * bs * D;
         const int64_t n = std::min(bs, L - blk * bs);
-        for (int64_t o = 0; o < n; ++o) {
-          const int64_t t = blk * bs + o;
+        for (int64_t o = std::max<int64_t>(0, lo - blk * bs); o < n; ++o) {
+          const int64_t t = blk * bs + o - lo;
           const C* k = kb + o * D;
 #ifdef INFERD_HAVE_DPBF16
           if constexpr (use_dp) {
             if (D % 32 == 0) {
-              for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot_bf16(qb.data() + g * D, k, D) * scale;
+              for (int64_t g = 0; g < G; ++g) scores[g * W + t] = dot_bf16(qb.data() + g * D, k, D) * scale;
               continue;
             }
           }
 #endif
-          for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot_qk(qf.data() + g * D, k, D) * scale;
+          for (int64_t g = 0; g < G; ++g) scores[g * W + t] = dot_qk(qf.data() + g * D, k, D) * scale;
         }
       }
-      softmax_rows(scores.data(), G, L);
+      softmax_rows(scores.data(), G, W, opt.softcap, sink);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t blk = 0; blk < nblk; ++blk) {
+      for (int64_t blk = blk0; blk < nblk; ++blk) {
         const C* vb = vh + static_cast<int64_t>(table[blk]) * bs * D;
         const int64_t n = std::min(bs, L - blk * bs);
-        for (int64_t o = 0; o < n; ++o) {
+        for (int64_t o = std::max<int64_t>(0, lo - blk * bs); o < n; ++o) {
           const C* v = vb + o * D;
-          const int64_t t = blk * bs + o;
+          const int64_t t = blk * bs + o - lo;
           for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * L + t];
+            const float p = scores[g * W + t];
             float* a = acc.data() + g * D;
 #pragma omp simd
             for (int64_t j = 0; j < D; ++j) a[j] += p * to_f(v[j]);
@@ -465,7 +502,8 @@ void decode_attention_kernel(const T* q, int64_t q_row_stride, const C* kc, cons
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, D], heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -487,6 +525,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
       TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks, "block id out of the cache");
   }
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: no soft-cap)");
+  AttnOptions opt;
+  opt.window = window;
+  opt.softcap = static_cast<float>(softcap);
+  at::Tensor sinks_f;  // float32 copy (a [H] vector: free), alive for the call
+  if (sinks.has_value()) {
+    check_cpu(*sinks, "sinks");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && at::isFloatingType(sinks->scalar_type()),
+                "sinks must be a floating [num_heads] tensor");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+    opt.sinks = sinks_f.data_ptr<float>();
+  }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
@@ -496,7 +547,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       using C = decltype(cache_type);
       using RC = typename Raw<C>::type;
       decode_attention_kernel<T, RC>(raw<scalar_t>(q), q.stride(0), raw<C>(k_cache), raw<C>(v_cache), tables,
-                                     max_blocks, lens, raw<scalar_t>(out), B, H, KV, D, num_blocks, bs, sc);
+                                     max_blocks, lens, raw<scalar_t>(out), B, H, KV, D, num_blocks, bs, sc, opt);
     };
     if (ct == at::kFloat) {
       run(float{});
@@ -568,7 +619,9 @@ at::Tensor decode_layers(at::Tensor residual, const at::Tensor& positions, const
     at::Tensor qkv = lin(0, h);
     rope_kv_write(qkv, positions, cos, sin, k_caches[l], v_caches[l], slot_mapping, num_heads, num_kv_heads);
     at::Tensor q = qkv.slice(1, 0, q_size).view({T, num_heads, D});
-    at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, scale);
+    // plain layers only (the model checks Attention.plain): no window, sinks or soft-cap
+    at::Tensor attn = paged_decode_attention(q, k_caches[l], v_caches[l], block_tables, context_lens, scale, 0,
+                                             c10::nullopt, 0.0);
     h = add_rms_norm(lin(1, attn.reshape({T, q_size})), residual, norms[2 * l + 1], eps);
     x = lin(3, silu_mul(lin(2, h)));
   }
@@ -636,7 +689,7 @@ TORCH_LIBRARY(inferd, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, Tensor? sinks=None, float softcap=0.) -> Tensor");
   m.def("decode_layers(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] norms, "
         "float eps, Tensor[] weights, Tensor[] aux, Tensor?[] biases, int[] kinds, int num_heads, "

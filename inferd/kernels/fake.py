@@ -26,7 +26,7 @@ def register() -> bool:
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @torch.library.register_fake("inferd::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, context_lens, scale):
+    def _(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sinks=None, softcap=0.0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("inferd::apply_token_bitmask")

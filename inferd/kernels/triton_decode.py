@@ -29,6 +29,13 @@ Why this shape of kernel:
   context_lens (a sync on a GPU), so a CUDA graph can capture it. The num_splits heuristic (default_num_splits)
   uses the block table's width as the bound on the longest row for that reason.
 
+Attention options (paged.attend's semantics, reference.paged_decode_attention's contract): a sliding window
+(window > 0) moves the row's first position to max(0, len - window), and the splits share the tiles from there (the
+ones before are never read; the num_splits heuristic bounds a row by the window); a soft-cap computes
+softcap * tanh(scale * q.k / softcap) (tanh_f32: exp2 only, the interpreter has no libdevice) before the mask;
+sinks (one logit per query head) start split 0's running max and sum (m = sink, l = 1, no value), so the merge
+counts each sink once whatever the number of splits.
+
 Float8 (e4m3fn) caches are read as their bytes (a uint8 view made on the host, so no float8 pointer type is needed)
 and decoded to float32 with integer operations in the kernel, exactly for every finite code, subnormals included,
 then cast to q's dtype (exact in fp32, fp16 and bf16: e4m3 has 3 mantissa bits and exponents -9..8) -- what the
@@ -93,6 +100,18 @@ if AVAILABLE:
         return tl.where(magnitude >= 8, normal, subnormal)
 
     @triton.jit
+    def tanh_f32(x):
+        """tanh of a float32 tile from exp2 only (the interpreter has no libdevice): Cephes' tanhf, an odd polynomial
+        below |x| = 0.625 (where 1 - 2 / (e^2x + 1) would cancel) and 1 - 2 / (e^2|x| + 1) above, a few ulp from
+        torch's tanh; the same formula as cpu_ops.cpp's tanh_f32. For the soft-cap: softcap * tanh(s / softcap)."""
+        a = tl.abs(x)
+        z = x * x
+        small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+                 - 3.33332819422e-1) * z * x + x
+        big = 1.0 - 2.0 / (tl.exp2(a * 2.8853900817779268) + 1.0)  # e^(2|x|) = 2^(2 log2(e) |x|)
+        return tl.where(a < 0.625, small, tl.where(x < 0, -big, big))
+
+    @triton.jit
     def _fp8e4m3fn_to_fp32_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
         """1-D decode of float8 bytes, through the same helper the attention kernel uses (tests check every code)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -102,8 +121,8 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, ctx_ptr,
-        num_heads, num_splits, table_width, sm_scale_log2,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, ctx_ptr, sinks_ptr,
+        num_heads, num_splits, table_width, sm_scale_log2, sm_scale, window, softcap,
         stride_qb, stride_qh, stride_qd,
         stride_ob, stride_oh, stride_od,
         stride_kh, stride_kb, stride_kp, stride_kd,
@@ -111,20 +130,25 @@ if AVAILABLE:
         stride_bt, stride_btn, stride_ctx,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, DIRECT: tl.constexpr,
+        HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """Program (row b, KV head, split): the GROUP query heads of that KV head over the split's context range.
         DIRECT (num_splits == 1): store the normalized output; else store the partial (acc, m, l) to scratch laid
-        out [B, H, num_splits, D] (acc) and [B, H, num_splits, 2] (m, l)."""
+        out [B, H, num_splits, D] (acc) and [B, H, num_splits, 2] (m, l). The attention options (paged.attend):
+        window > 0 keeps the row's last `window` positions (the splits share those tiles; none before is read);
+        SOFTCAP: scores softcap * tanh(scale * q.k / softcap); HAS_SINKS: split 0 starts its running max and sum
+        from the head's sink logit (m = sink, l = 1, no value), so the merge counts it once."""
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
 
         ctx = tl.load(ctx_ptr + b * stride_ctx)
         ctx = tl.minimum(ctx, table_width * BLOCK_SIZE)  # never read past the row of the block table
-        # this row's tiles shared evenly by the splits; each split a whole number of tiles
-        num_tiles = tl.cdiv(ctx, BLOCK_N)
+        lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the first position the row sees
+        # this row's tiles (from lo) shared evenly by the splits; each split a whole number of tiles
+        num_tiles = tl.cdiv(ctx - lo, BLOCK_N)
         tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        start = split * tiles_per_split * BLOCK_N
+        start = lo + split * tiles_per_split * BLOCK_N
         end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)  # <= start for a split past the row: no tiles
 
         offs_g = tl.arange(0, GROUP_PAD)
@@ -136,6 +160,10 @@ if AVAILABLE:
 
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        if HAS_SINKS:  # in log2 units, like the scores; padding rows get 0 (never stored)
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, l_i + 1.0, l_i)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
         k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -160,7 +188,11 @@ if AVAILABLE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(pos_ok[None, :], s * sm_scale_log2, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+            if SOFTCAP:  # soft-capped before the mask, in natural units, then to log2 units
+                s = tanh_f32((s * sm_scale) / softcap) * (softcap * 1.4426950408889634)
+            else:
+                s = s * sm_scale_log2
+            s = tl.where(pos_ok[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
 
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile's first position is valid
             alpha = tl.exp2(m_i - m_new)  # exp2(-inf) = 0 on the first tile
@@ -276,8 +308,21 @@ def dequantize_fp8(x: torch.Tensor) -> torch.Tensor:
     return dst.view(x.shape)
 
 
+def check_options(window: int, sinks: torch.Tensor | None, softcap: float, q: torch.Tensor) -> None:
+    """The attention options both paged attention kernels take (paged.attend's): ValueError when malformed."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-cap), got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],) or not sinks.dtype.is_floating_point or sinks.device != q.device:
+            raise ValueError(f"sinks must be a floating [{q.shape[1]}] tensor on {q.device}, got "
+                             f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int = 0,
+                           sinks: torch.Tensor | None = None, softcap: float = 0.0, *,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """One query token per row attending to its context in the paged cache -> [B, H, D] in q's dtype (written into
@@ -287,6 +332,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_cache, v_cache: [KV, num_blocks, block_size, D] (fp32/fp16/bf16/float8_e4m3fn, any strides; block_size a power
     of two); block_tables: int32 [B, max_blocks] (padding entries are never read); context_lens: int32 [B], each
     >= 1 and <= max_blocks * block_size; scale: multiplies q . k (usually D ** -0.5).
+    window, sinks ([H], any float dtype), softcap: the layer's attention options, as paged.attend computes them (a
+    sliding window's tiles are the only ones read).
     num_splits: context splits per row (None: default_num_splits); block_n: positions per tile (a power of two >= 16,
     the smallest tl.dot operand on a GPU; None: default_block_n) -- tests use small ones to cover several tiles.
     """
@@ -297,11 +344,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
+    check_options(window, sinks, softcap, q)
     bn = block_n or default_block_n(block_size, D)
     if not (pow2(bn) and bn >= 16):
         raise ValueError(f"block_n must be a power of two >= 16, got {bn}")
     table_width = block_tables.shape[1]
-    max_tiles = -(-table_width * block_size // bn)
+    span = min(window, table_width * block_size) if window else table_width * block_size  # the longest row's
+    max_tiles = -(-span // bn)
     splits = default_num_splits(B, KV, max_tiles) if num_splits is None else num_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
@@ -325,15 +374,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((B, H, splits, 2), dtype=torch.float32, device=q.device)
     _paged_decode_split_kernel[(B, KV, splits)](
-        q, kc, vc, out, part_acc, part_ml, block_tables, context_lens,
-        H, splits, table_width, float(scale) * LOG2E,
+        q, kc, vc, out, part_acc, part_ml, block_tables, context_lens, q if sinks is None else sinks,
+        H, splits, table_width, float(scale) * LOG2E, float(scale), int(window), float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         block_tables.stride(0), block_tables.stride(1), context_lens.stride(0),
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_N=bn,
-        KV_FP8=kv_fp8, IEEE_DOT=q.dtype == torch.float32, DIRECT=direct,
+        KV_FP8=kv_fp8, IEEE_DOT=q.dtype == torch.float32, DIRECT=direct, HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap > 0,
     )
     if not direct:
         _merge_splits_kernel[(B, H)](

@@ -17,14 +17,16 @@ fp16/bf16 tensors and rounding its result to the tensor's dtype):
   weight, whose product is rounded again. Only the summation order of the sum of squares differs from torch's.
 - rope_kv_write: one program per (token, head) over the H + 2 KV heads of the fused qkv row. A q or k program
   rotates its head in place (neox rotate-half: out[:h] = x[:h] cos[:h] - x[h:] sin[:h], out[h:] = x[h:] cos[h:] +
-  x[:h] sin[h:], h = D / 2, with the full-width [max_pos, D] cos/sin tables indexed by position and column, each
+  x[:h] sin[h:], h = D / 2, with the [max_pos, D] cos/sin tables indexed by position and column, each
   product and the sum rounded to qkv's dtype as the reference's separate torch ops round them); a k program then
   stores its rotated head (as rounded into qkv) to the cache, a v program copies its head. The head is loaded as its
   two halves (tiles of next_pow2(D / 2) lanes, masked to D / 2), so the rotation needs no shuffles. Per-(token, head)
   programs keep the grid wide at decode (batch 1 still gets H + 2 KV programs) with no cross-program dependency:
-  each program reads and writes only its own head. The cache write casts to the cache's dtype (round to nearest
-  even: what torch's .to() does); a float8_e4m3fn cache is viewed as uint8 on the host and the kernel encodes the
-  bits itself with integer operations (below), so no float8 pointer type or hardware conversion is needed.
+  each program reads and writes only its own head. Tables R < D wide (partial rotary) rotate the head's first R dims
+  (halves of R / 2) and a third tile carries the other D - R dims through to the cache. The cache write casts to
+  the cache's dtype (round to nearest even: what torch's .to() does); a float8_e4m3fn cache is viewed as uint8 on
+  the host and the kernel encodes the bits itself with integer operations (below), so no float8 pointer type or
+  hardware conversion is needed.
   The launch passes enable_fp_fusion=False: with contraction on, the GPU compiler would fuse x * cos + r * sin into
   one FMA (one rounding instead of the reference's three), breaking bit equality in float32.
 - silu_mul: one program per (row, BLOCK columns) of the [T, I] output; silu(gate) = gate / (1 + exp(-gate)) in
@@ -127,10 +129,11 @@ if AVAILABLE:
                               stride_t, stride_cos, stride_sin,
                               stride_kh, stride_kb, stride_kp, stride_kd,
                               stride_vh, stride_vb, stride_vp, stride_vd,
-                              HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                              KV_FP8: tl.constexpr):
+                              HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr, REST_PAD: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
         """Program (token t, head): head < H + KV rotates its head of the qkv row in place; head >= H (a k or v
-        head) writes its (rotated) values to its cache row at slot_mapping[t]."""
+        head) writes its (rotated) values to its cache row at slot_mapping[t]. A head is D = 2 HALF + REST wide:
+        the rotated dims (the tables' width, 2 HALF) and, with partial rotary, REST dims that pass through."""
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -138,9 +141,12 @@ if AVAILABLE:
         offs = tl.arange(0, HALF_PAD)
         # masks as lane < scalar limit (0: nothing): the interpreter mistypes a tensor mask & a scalar bool
         ok = offs < tl.where(pos_ok, HALF, 0)
-        row = qkv_ptr + t * stride_t + head * (2 * HALF)
+        row = qkv_ptr + t * stride_t + head * (2 * HALF + REST)
         x1 = tl.load(row + offs, mask=ok, other=0.0)
         x2 = tl.load(row + HALF + offs, mask=ok, other=0.0)
+        offs_r = tl.arange(0, REST_PAD)
+        if REST > 0:  # partial rotary: the unrotated tail of the head, copied to the cache as it is
+            x3 = tl.load(row + 2 * HALF + offs_r, mask=offs_r < tl.where(pos_ok, REST, 0), other=0.0)
         dt = qkv_ptr.dtype.element_ty
         if head < num_heads + num_kv_heads:  # q or k: rotate in place
             safe_pos = tl.where(pos_ok, pos, 0)
@@ -181,6 +187,14 @@ if AVAILABLE:
             tl.store(k_dst + (HALF + offs) * stride_kd, y2, mask=k_ok)
             tl.store(v_dst + offs * stride_vd, y1, mask=v_ok)
             tl.store(v_dst + (HALF + offs) * stride_vd, y2, mask=v_ok)
+            if REST > 0:
+                if KV_FP8:
+                    y3 = _fp32_to_fp8e4m3fn(x3.to(tl.float32))
+                else:
+                    y3 = x3.to(k_ptr.dtype.element_ty)
+                tl.store(k_dst + (2 * HALF + offs_r) * stride_kd, y3, mask=offs_r < tl.where(slot_ok & is_k, REST, 0))
+                tl.store(v_dst + (2 * HALF + offs_r) * stride_vd, y3,
+                         mask=offs_r < tl.where(slot_ok & (kv >= num_kv_heads), REST, 0))
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_g, stride_o, BLOCK: tl.constexpr):
@@ -265,10 +279,12 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
 def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
                   num_kv_heads: int) -> None:
-    """qkv [T, (H + 2 KV) D] (contiguous rows, any row stride): rotates its q and k heads in place (positions index
-    the [max_pos, D] cos/sin tables, qkv's dtype, contiguous rows) and writes k (rotated) and v to their cache slots,
-    cast to the cache's dtype. Caches [KV, num_blocks, block_size, D] (any strides, fp32/fp16/bf16/float8_e4m3fn,
-    both alike); positions and slot_mapping: int32 or int64 [T]; slot = block * block_size + offset."""
+    """qkv [T, (H + 2 KV) D] (contiguous rows, any row stride): rotates its q and k heads in place (positions index the
+    [max_pos, R] cos/sin tables, qkv's dtype, contiguous rows; R < D: partial rotary, each head's first R dims
+    rotate and the rest pass through) and writes k (rotated) and v to their cache slots, cast to the cache's dtype.
+    Caches [KV, num_blocks, block_size, D] (any strides, fp32/fp16/bf16/float8_e4m3fn, both alike); positions and
+    slot_mapping: int32 or int64 [T]; slot = block * block_size + offset.
+    """
     _require_triton()
     if qkv.dim() != 2 or k_cache.dim() != 4:
         raise ValueError(f"expected qkv [T, width] and caches [KV, blocks, block_size, D], got {tuple(qkv.shape)}, "
@@ -292,9 +308,10 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     if qkv.stride(1) != 1:
         raise ValueError("qkv's rows must be contiguous")
     for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[1] != D or table.dtype != qkv.dtype or table.stride(1) != 1:
-            raise ValueError(f"{name} must be a [max_pos, {D}] table of {qkv.dtype} with contiguous rows, got "
-                             f"{tuple(table.shape)} {table.dtype} stride {table.stride()}")
+        if (table.dim() != 2 or not 0 < table.shape[1] <= D or table.shape[1] % 2 or table.dtype != qkv.dtype
+                or table.stride(1) != 1):
+            raise ValueError(f"{name} must be a [max_pos, R] table of {qkv.dtype} with contiguous rows (R even, at "
+                             f"most head_dim {D}), got {tuple(table.shape)} {table.dtype} stride {table.stride()}")
     if sin.shape != cos.shape:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
@@ -313,14 +330,16 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     kc = k_cache.view(torch.uint8) if kv_fp8 else k_cache  # the bytes: encoded in the kernel
     vc = v_cache.view(torch.uint8) if kv_fp8 else v_cache
-    half = D // 2
+    half = cos.shape[1] // 2  # of the rotated dims; the head's other D - 2 half dims pass through
+    rest = D - 2 * half
     _rope_kv_write_kernel[(T, num_heads + 2 * num_kv_heads)](
         qkv, positions.contiguous(), cos, sin, kc, vc, slot_mapping.contiguous(),
         num_heads, num_kv_heads, max_pos, num_slots,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
-        HALF=half, HALF_PAD=_next_pow2(half), BLOCK_SIZE=block_size, KV_FP8=kv_fp8,
+        HALF=half, HALF_PAD=_next_pow2(half), REST=rest, REST_PAD=_next_pow2(max(rest, 1)), BLOCK_SIZE=block_size,
+        KV_FP8=kv_fp8,
         num_warps=1 if half <= 64 else 2, enable_fp_fusion=False,
     )
 

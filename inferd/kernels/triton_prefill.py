@@ -31,6 +31,11 @@ and decoded to float32 with integer operations in the kernel, exactly for every 
 then cast to q's dtype (exact for fp32, fp16 and bf16: e4m3 has 3 mantissa bits and exponents -9..8), which is
 what the reference (paged.gather_blocks) computes in.
 
+Attention options (as the decode kernel; reference.paged_prefill_attention is the contract): with a window a row
+sees keys (q_pos - window, q_pos], so the key loop starts at the program's first row's window; a later row of the
+tile may see nothing in the first key tiles, where its running max stays -inf (m_safe keeps -inf - -inf out of the
+update). The soft-cap applies before the mask; a head's sink starts the running max and sum.
+
 GQA: program (p, h) reads KV head h // (H // KV); head groups of 1, 3 (SmolLM2: H=9, KV=3) and 8 are tested.
 
 The module imports without triton (AVAILABLE is False then) so the engine can import it on any machine; only a
@@ -50,6 +55,7 @@ from .triton_decode import (  # noqa: F401  # noqa: E402,F401
     KV_DTYPES,
     LOG2E,
     Q_DTYPES,
+    check_options,
     check_paged_args,
     pow2,
     tl,
@@ -58,13 +64,14 @@ from .triton_decode import (  # noqa: F401  # noqa: E402,F401
 
 if AVAILABLE:
 
-    # the float8 decoder the decode kernel uses (one copy: exact for every finite code, tested there and here)
-    from .triton_decode import fp8e4m3fn_to_fp32
+    # the float8 decoder and the soft-cap's tanh the decode kernel uses (one copy: exact for every finite code,
+    # tested there and here)
+    from .triton_decode import fp8e4m3fn_to_fp32, tanh_f32
 
     @triton.jit(do_not_specialize=["num_seqs"])  # S == 1 must not turn the search bound into a constant
     def _paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr,
-        num_seqs, sm_scale_log2,
+        q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, ctx_ptr, bt_ptr, sinks_ptr,
+        num_seqs, sm_scale_log2, sm_scale, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_ot, stride_oh, stride_od,
         stride_kh, stride_kb, stride_kp, stride_kd,
@@ -72,7 +79,7 @@ if AVAILABLE:
         stride_bt,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        KV_FP8: tl.constexpr, IEEE_DOT: tl.constexpr,
+        KV_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         head = tl.program_id(1)
@@ -104,14 +111,20 @@ if AVAILABLE:
 
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if HAS_SINKS:  # the head's sink logit (log2 units) starts the running max and sum; it takes no value
+                m_i = l_i + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+                l_i = l_i + 1.0
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-            # keys up to the last real row's causal limit; never past the context
+            # keys up to the last real row's causal limit; never past the context. A sliding window (window > 0):
+            # each row sees keys (q_pos - window, q_pos], so keys before the first row's window are never read
             end = num_cached + tl.minimum(m0 + BLOCK_M, n)
+            lo = tl.where(window > 0, tl.maximum(num_cached + m0 - window + 1, 0), 0)
+            floor = tl.where(window > 0, q_pos - window, -1)  # [BLOCK_M]: each row sees keys above it
             k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
             v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
             bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-            for start_n in range(0, end, BLOCK_N):
+            for start_n in range(lo, end, BLOCK_N):
                 k_pos = start_n + tl.arange(0, BLOCK_N)
                 k_ok = k_pos < end
                 block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -131,14 +144,19 @@ if AVAILABLE:
                     s = tl.dot(q, k, input_precision="ieee")
                 else:
                     s = tl.dot(q, k)
-                s = s * sm_scale_log2
-                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+                if SOFTCAP:  # soft-capped before the mask, in natural units, then to log2 units
+                    s = tanh_f32((s * sm_scale) / softcap) * (softcap * 1.4426950408889634)
+                else:
+                    s = s * sm_scale_log2
+                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > floor[:, None]) & k_ok[None, :]
                 s = tl.where(visible, s, float("-inf"))
 
-                # key 0 is visible to every row (padding rows included), so m_new is finite from the first tile on
+                # without a window key 0 is visible to every row, so m_new is finite from the first tile on; with
+                # one, a row may see nothing in a tile before its window: m_safe keeps -inf - -inf (NaN) out
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
                 if IEEE_DOT:
@@ -147,7 +165,7 @@ if AVAILABLE:
                     acc += tl.dot(p.to(v.dtype), v)
                 m_i = m_new
 
-            acc = acc / l_i[:, None]
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l == 0 only for a padding row past a window
             tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -160,17 +178,19 @@ def default_tiles(head_dim: int) -> tuple[int, int]:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, *, out: torch.Tensor | None = None, block_m: int | None = None,
+                            scale: float, window: int = 0, sinks: torch.Tensor | None = None, softcap: float = 0.0,
+                            *, out: torch.Tensor | None = None, block_m: int | None = None,
                             block_n: int | None = None) -> torch.Tensor:
-    """Causal attention of every sequence's query chunk over its context in the paged cache -> [T, H, D] in q's
-    dtype (written into `out` when given).
+    """Causal attention of every sequence's query chunk over its context in the paged cache -> [T, H, D] in q's dtype
+    (written into `out` when given).
 
-    q: [T, H, D] (fp32/fp16/bf16; any row and head strides, e.g. a view into the fused qkv rows);
-    k_cache, v_cache: [KV, num_blocks, block_size, D] (fp32/fp16/bf16/float8_e4m3fn), holding every position of
-    every sequence up to context_lens - 1, the chunk's own included; cu_seqlens_q: int32 [S+1] (0, n_0, n_0+n_1,
-    ...); context_lens: int32 [S] = num_cached + n per sequence; block_tables: int32 [S, max_blocks];
-    scale: the softmax scale (usually D ** -0.5). block_m / block_n override the tile sizes (powers of two >= 16,
-    the smallest tl.dot operand on a GPU); tests use small ones to cover several tiles per sequence.
+    q: [T, H, D] (fp32/fp16/bf16; any row and head strides, e.g. a view into the fused qkv rows); k_cache, v_cache: [KV,
+    num_blocks, block_size, D] (fp32/fp16/bf16/float8_e4m3fn), holding every position of every sequence up to
+    context_lens - 1, the chunk's own included; cu_seqlens_q: int32 [S+1] (0, n_0, n_0+n_1, ...); context_lens:
+    int32 [S] = num_cached + n per sequence; block_tables: int32 [S, max_blocks]; scale: the softmax scale (usually
+    D ** -0.5); window, sinks ([H], any float dtype), softcap: the layer's attention options, as paged.attend
+    computes them (reference.paged_prefill_attention's contract). block_m / block_n override the tile sizes (powers
+    of two >= 16, the smallest tl.dot operand on a GPU); tests use small ones to cover several tiles per sequence.
     """
     if not AVAILABLE:
         raise RuntimeError(f"triton is not available: {IMPORT_ERROR}")
@@ -182,6 +202,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens), ("block_tables", block_tables)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
+    check_options(window, sinks, softcap, q)
     bm, bn = default_tiles(D)
     bm, bn = block_m or bm, block_n or bn
     if not (pow2(bm) and pow2(bn) and bm >= 16 and bn >= 16):
@@ -198,14 +219,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     vc = v_cache.view(torch.uint8) if kv_fp8 else v_cache
     grid = (T // bm + S, H)  # see the module docstring: shapes only, no device -> host sync
     _paged_prefill_kernel[grid](
-        q, kc, vc, out, cu_seqlens_q, context_lens, block_tables,
-        S, float(scale) * LOG2E,
+        q, kc, vc, out, cu_seqlens_q, context_lens, block_tables, q if sinks is None else sinks,
+        S, float(scale) * LOG2E, float(scale), int(window), float(softcap or 1.0),
         q.stride(0), q.stride(1), q.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         block_tables.stride(0),
         GROUP=H // KV, BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-        KV_FP8=kv_fp8, IEEE_DOT=q.dtype == torch.float32,
+        KV_FP8=kv_fp8, IEEE_DOT=q.dtype == torch.float32, HAS_SINKS=sinks is not None, SOFTCAP=softcap > 0,
     )
     return out

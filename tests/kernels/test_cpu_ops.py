@@ -64,6 +64,29 @@ def test_rope_kv_write_is_bitwise_the_reference(fused, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_write_partial_rotary(fused, dtype):
+    """Tables narrower than head_dim (Phi's partial_rotary_factor): each q and k head's first R dims rotate, bit for
+    bit as the reference rotates them, and the rest pass through to the cache unchanged."""
+    g = torch.Generator().manual_seed(10)
+    H, KV, D, R, T = 6, 2, 64, 32, 7
+    tables = torch.randn(64, R, generator=g)
+    cos, sin = tables.cos().to(dtype), tables.sin().to(dtype)
+    positions = torch.randint(0, 64, (T,), generator=g)
+    slots = torch.randperm(4 * 16, generator=g)[:T]
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)
+    results = []
+    for impl in (reference.rope_kv_write, fused.rope_kv_write):
+        q = qkv.clone()
+        kc, vc = torch.zeros(KV, 4, 16, D, dtype=dtype), torch.zeros(KV, 4, 16, D, dtype=dtype)
+        impl(q, positions, cos, sin, kc, vc, slots, H, KV)
+        results.append((q, kc, vc))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    heads, before = results[1][0].view(T, -1, D)[:, :H + KV], qkv.view(T, -1, D)[:, :H + KV]
+    assert torch.equal(heads[..., R:], before[..., R:]) and not torch.equal(heads[..., :R], before[..., :R])
+
+
 def test_rope_kv_write_into_a_lower_precision_cache(fused):
     g = torch.Generator().manual_seed(2)
     H, KV, D = 4, 2, 16
@@ -141,6 +164,39 @@ def _exact_attention(q, kc, vc, tables, lens, scale):
     return out
 
 
+# a layer's attention options (paged.attend): name -> (window, sinks, softcap). The window (20) cuts the rows of 33
+# and 200 positions (the 200-row's first 11 blocks are skipped) and not the shorter ones; 500 covers every row.
+# softcap 1.0 puts the scaled scores on both sides of the soft-cap's polynomial/exponential switch (|s| = 0.625).
+OPTIONS = {"window": (20, False, 0.0), "window-covering": (500, False, 0.0), "sinks": (0, True, 0.0),
+           "softcap": (0, False, 1.0), "window+sinks+softcap": (20, True, 1.0)}
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 1, 32)])  # the bf16 AVX-512 path (D 64, group 3); generic loops
+def test_paged_decode_attention_options(fused, dtype, kv_dtype, shape):
+    """window, sinks and softcap against the reference, as the model passes them (keywords; sinks a parameter in
+    the model's dtype), within the tolerance and the at-least-as-close-to-exact rule of the plain test."""
+    g = torch.Generator().manual_seed(7)
+    H, KV, D = shape
+    q, kc, vc, tables, ctx = _paged_case(g, dtype, kv_dtype, [1, 17, 33, 200], H=H, KV=KV, D=D)
+    sinks = torch.nn.Parameter(torch.randn(H, generator=g).to(dtype))
+    plain = fused.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, (window, with_sinks, softcap) in OPTIONS.items():
+        opts = dict(window=window, sinks=sinks if with_sinks else None, softcap=softcap)
+        with torch.inference_mode():
+            out = fused.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, **opts)
+        ref = reference.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, **opts)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=name)
+        # the reference over float64 q and caches (its softmax runs in float32): the fused kernel at least as close
+        exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, ctx, 0.125, **opts)
+        assert (out.double() - exact).abs().max() <= (ref.double() - exact).abs().max() + 1e-6, name
+        if window != 500:  # each option changes these rows (so the comparisons above can fail)
+            assert (out.float() - plain.float()).abs().max() > 1e-2, name
+        else:
+            torch.testing.assert_close(out, plain, atol=0, rtol=0)
+
+
 def test_paged_decode_attention_with_a_strided_query(fused):
     """The model passes q as a view into the fused qkv rows (row stride = the qkv width)."""
     g = torch.Generator().manual_seed(5)
@@ -164,6 +220,8 @@ def test_the_fake_kernels_agree_with_the_ops(fused):
     torch.library.opcheck(torch.ops.inferd.silu_mul, (torch.randn(rows, 2 * n, generator=g),))
     q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [5, 33])
     torch.library.opcheck(torch.ops.inferd.paged_decode_attention, (q, kc, vc, tables, ctx, 0.125))
+    torch.library.opcheck(torch.ops.inferd.paged_decode_attention, (q, kc, vc, tables, ctx, 0.125),
+                          dict(window=8, sinks=torch.randn(9, generator=g), softcap=2.0))
     H, KV, D, T = 9, 3, 64, 4
     tab = torch.randn(64, D, generator=g)
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
@@ -206,12 +264,19 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds(fused):
         fused.paged_decode_attention(q, kc, vc, tables, torch.tensor([999], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="int32"):
         fused.paged_decode_attention(q, kc, vc, tables.long(), ctx, 1.0)
+    with pytest.raises(RuntimeError, match="sinks"):
+        fused.paged_decode_attention(q, kc, vc, tables, ctx, 1.0, sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="window"):
+        fused.paged_decode_attention(q, kc, vc, tables, ctx, 1.0, window=-1)
     qkv = torch.randn(2, (9 + 6) * 64)
     with pytest.raises(RuntimeError, match="slot"):
         fused.rope_kv_write(qkv, torch.tensor([0, 1]), torch.ones(4, 64), torch.ones(4, 64), kc, vc,
                             torch.tensor([0, 10 ** 9]), 9, 3)
     with pytest.raises(RuntimeError, match="position"):
         fused.rope_kv_write(qkv, torch.tensor([0, 4]), torch.ones(4, 64), torch.ones(4, 64), kc, vc,
+                            torch.tensor([0, 1]), 9, 3)
+    with pytest.raises(RuntimeError, match="even"):  # wider than head_dim, or odd
+        fused.rope_kv_write(qkv, torch.tensor([0, 1]), torch.ones(4, 66), torch.ones(4, 66), kc, vc,
                             torch.tensor([0, 1]), 9, 3)
 
 

@@ -163,6 +163,36 @@ def test_head_dim_128():
                q, kc, vc, tables, ctx)
 
 
+# a layer's attention options (paged.attend), each with the splits it must survive: (name, window, sinks, softcap,
+# num_splits). The window (20) cuts the rows of 40 and 100 positions (their tiles before it are never read; 3 splits
+# share what is left) and not those of 1 and 17; a sink must count once however many splits a row has; softcap 1.0
+# puts the scaled scores on both sides of tanh_f32's polynomial/exponential switch (|x| = 0.625).
+OPTION_CASES = [("window", 20, False, 0.0, 3), ("sinks", 0, True, 0.0, 3), ("softcap", 0, False, 1.0, 1),
+                ("all", 20, True, 1.0, 1), ("all", 20, True, 1.0, 3)]
+
+
+@pytest.mark.parametrize("name,window,with_sinks,softcap,num_splits", OPTION_CASES,
+                         ids=[f"{c[0]}-splits{c[4]}" for c in OPTION_CASES])
+def test_attention_options(name, window, with_sinks, softcap, num_splits):
+    """window, sinks and softcap against the reference (paged.attend), GQA (2 query heads per KV head), float32
+    within 1e-5 and at least as close as the reference to the answer over float64 inputs."""
+    g = torch.Generator().manual_seed(19)
+    q, kc, vc, tables, ctx = _paged_case(g, torch.float32, torch.float32, [1, 17, 40, 100], H=4, KV=2, D=32)
+    opts = dict(window=window, sinks=torch.randn(4, generator=g) if with_sinks else None, softcap=softcap)
+    out = triton_decode.paged_decode_attention(q, kc, vc, tables, ctx, SCALE, num_splits=num_splits, block_n=16,
+                                               **opts)
+    ref = reference.paged_decode_attention(q, kc, vc, tables, ctx, SCALE, **opts)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, ctx, SCALE, **opts)
+    assert (out.double() - exact).abs().max() <= (ref.double() - exact).abs().max() + 1e-6
+    plain = reference.paged_decode_attention(q, kc, vc, tables, ctx, SCALE)
+    assert (out - plain)[2:].abs().max() > 1e-2  # the option matters on these rows (so the comparison can fail)
+    with pytest.raises(ValueError, match="sinks"):
+        triton_decode.paged_decode_attention(q, kc, vc, tables, ctx, SCALE, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="window"):
+        triton_decode.paged_decode_attention(q, kc, vc, tables, ctx, SCALE, window=-1)
+
+
 def test_more_splits_than_a_row_has_tiles():
     """Splits past a row's length write empty partials (m = -inf, l = 0) that the merge weighs by 0, never NaN: here
     the 1-position row has 15 empty splits and the 40-position row (3 tiles of 16) has 13."""

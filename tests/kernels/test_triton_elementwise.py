@@ -202,6 +202,25 @@ def test_rope_kv_write_with_a_head_dim_that_is_not_a_power_of_two(te):
         assert torch.equal(out[0][:, qkv.shape[1]:], torch.full((T, 3), SENTINEL, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)])
+def test_rope_kv_write_partial_rotary(te, dtype, kv_dtype):
+    """Tables narrower than head_dim (Phi's partial_rotary_factor): each q and k head's first R dims rotate, bit for
+    bit as the reference rotates them, and the rest (here 48 of 80: a tail that is no power of two) pass through to
+    the qkv rows and the cache unchanged."""
+    g = torch.Generator().manual_seed(12)
+    H, KV, D, R, T = 4, 2, 80, 32, 5
+    tables = torch.randn(32, R, generator=g)
+    cos, sin = tables.cos().to(dtype), tables.sin().to(dtype)
+    positions = torch.randint(0, 32, (T,), generator=g)
+    slots = torch.randperm(8 * 16, generator=g)[:T]
+    qkv = torch.randn(T, (H + 2 * KV) * D, generator=g).to(dtype)
+    ref = _run_rope(reference.rope_kv_write, qkv, positions, cos, sin, slots, H, KV, D, kv_dtype, seed=13)
+    out = _run_rope(te.rope_kv_write, qkv, positions, cos, sin, slots, H, KV, D, kv_dtype, seed=13, gap=3)
+    _assert_same((ref[0], ref[1], ref[2]), (out[0][:, :qkv.shape[1]], out[1], out[2]))
+    heads, before = out[0][:, :qkv.shape[1]].view(T, -1, D)[:, :H + KV], qkv.view(T, -1, D)[:, :H + KV]
+    assert torch.equal(heads[..., R:], before[..., R:]) and not torch.equal(heads[..., :R], before[..., :R])
+
+
 def _fp8_hard_values() -> torch.Tensor:
     """Values where float8_e4m3fn rounding is decided: every midpoint between neighbouring codes (ties, to even),
     subnormal midpoints included, the largest finite code and what lies past it (448 < |x| saturates), +-0."""

@@ -43,7 +43,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see the do
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from inferd.kernels import paged  # noqa: E402
+from inferd.kernels import paged, reference  # noqa: E402
 
 try:
     import triton  # noqa: E402
@@ -247,6 +247,30 @@ def test_float16(prefill, H, KV, block_size):
     case = Case(RAGGED[:4], H=H, KV=KV, D=32, block_size=block_size, q_dtype=torch.float16,
                 kv_dtype=torch.float16, seed=7)
     check(case, case.run(prefill, block_m=16, block_n=16))
+
+
+# a layer's attention options (paged.attend): (name, window, sinks, softcap). Query tiles of 32 rows over key tiles
+# of 16: with the window (5), a row near a query tile's end sees nothing in the tile's first key tiles (the running
+# max stays -inf there), and keys before a query tile's first window are never read.
+OPTION_CASES = [("window", 5, False, 0.0), ("sinks", 0, True, 0.0), ("softcap", 0, False, 1.0),
+                ("all", 5, True, 1.0)]
+
+
+@pytest.mark.parametrize("name,window,with_sinks,softcap", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_attention_options(prefill, name, window, with_sinks, softcap):
+    """window, sinks and softcap against reference.paged_prefill_attention (the varlen contract over paged.attend):
+    a first chunk of 40 rows, later chunks, one-token rows; GQA 2 query heads per KV head."""
+    case = Case([(0, 40), (3, 5), (33, 1), (16, 16)], H=4, KV=2, D=32, block_size=8, q_dtype=torch.float32,
+                kv_dtype=torch.float32, seed=10)
+    g = torch.Generator().manual_seed(11)
+    opts = dict(window=window, sinks=torch.randn(4, generator=g) if with_sinks else None, softcap=softcap)
+    out = case.run(prefill, block_m=32, block_n=16, **opts)
+    ref = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.cu, case.context_lens,
+                                            case.block_tables, case.scale, **opts)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (out - case.reference()).abs().max() > 1e-2  # the option matters here (so the comparison can fail)
+    with pytest.raises(ValueError, match="softcap"):
+        case.run(prefill, softcap=-1.0)
 
 
 def test_single_sequence(prefill):
