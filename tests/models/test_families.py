@@ -190,3 +190,21 @@ def test_a_wrong_model_fails_the_rule(families, mutation):
     _, reqs, _ = run(family, "chunked-prefix", model, cfg)
     with pytest.raises(AssertionError, match="beyond the float32 bound"):
         check_all(family, reqs)
+
+
+def test_gemma3_multimodal_folder_reads_its_text_part():
+    """A Gemma 3 multimodal config.json (Gemma3ForConditionalGeneration) is read by its text_config, and its
+    checkpoint's text weights (transformers 5's and 4's prefixes) by their text model's names."""
+    import transformers as tf
+
+    from inferd.models.config import ModelConfig
+    from inferd.models.loader import _normalize_hf_name
+
+    text = tf.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=10,
+                               sliding_window_pattern=2)
+    multimodal = tf.Gemma3Config(text_config=text.to_dict()).to_dict()
+    assert multimodal["model_type"] == "gemma3"
+    assert ModelConfig.from_hf_dict(multimodal) == ModelConfig.from_hf_dict(text.to_dict())
+    for prefix in ("model.language_model.", "language_model.model."):
+        assert _normalize_hf_name(prefix + "layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
