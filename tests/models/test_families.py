@@ -210,3 +210,25 @@ def test_gemma3_multimodal_folder_reads_its_text_part():
     assert ModelConfig.from_hf_dict(multimodal) == ModelConfig.from_hf_dict(text.to_dict())
     for prefix in ("model.language_model.", "language_model.model."):
         assert _normalize_hf_name(prefix + "layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight"
+
+
+def test_tensor_parallel_shards_phi3s_fused_projections():
+    """Each rank's rows of Phi-3's fused qkv_proj and gate_up_proj are its rows of q, k, v (gate, up), as the
+    unfused checkpoint of the same weights shards them."""
+    from inferd.models.config import ModelConfig
+    from inferd.models.parallel import shard_state_dict
+
+    cfg = ModelConfig(architecture="phi3", vocab_size=8, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=2)
+    p = "model.layers.0."
+    q, k, v, gate, up = (torch.randn(n, 8) for n in (8, 4, 4, 6, 6))
+    fused = {p + "self_attn.qkv_proj.weight": torch.cat([q, k, v]),
+             p + "mlp.gate_up_proj.weight": torch.cat([gate, up])}
+    unfused = {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+               p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
+    for rank in range(2):
+        a, b = shard_state_dict(fused, cfg, 2, rank), shard_state_dict(unfused, cfg, 2, rank)
+        assert torch.equal(a[p + "self_attn.qkv_proj.weight"], torch.cat([b[p + f"self_attn.{n}_proj.weight"]
+                                                                          for n in "qkv"]))
+        assert torch.equal(a[p + "mlp.gate_up_proj.weight"], torch.cat([b[p + "mlp.gate_proj.weight"],
+                                                                       b[p + "mlp.up_proj.weight"]]))
