@@ -12,8 +12,8 @@ from .rope import RotaryEmbedding
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
     cls = LlamaForCausalLM
-    if config.architecture == "gemma3":
-        from .gemma import Gemma3ForCausalLM as cls
+    if config.architecture in ("gemma2", "gemma3"):
+        from .gemma import GemmaForCausalLM as cls
     with torch.device("meta"):
         model = cls(config, max_positions, dtype)
     # the dtype on the meta model, then memory on the device: each weight is allocated once, in its final dtype

@@ -6,14 +6,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")  # general.architecture values we load from GGUF
 _MISSING = object()
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" (text) | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" (text) | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -108,17 +108,21 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gemma3")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3"))),
             # Phi-3's fused projection has no bias whatever the config says
             attention_bias=model_type != "phi3" and bool(d.get("attention_bias", model_type == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            # Gemma3Attention holds attn_logit_softcapping but never applies it; Gemma3ForCausalLM applies the final
-            final_logit_softcapping=d.get("final_logit_softcapping") if model_type == "gemma3" else None,
+            # Gemma 2 soft-caps scores and logits (Gemma2Config's defaults 50 and 30); Gemma3Attention holds
+            # attn_logit_softcapping but never applies it, Gemma3ForCausalLM applies the final one
+            attn_logit_softcapping=d.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=(d.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+                                     if model_type in ("gemma2", "gemma3") else None),
             qk_norm=model_type in ("qwen3", "gemma3"),
-            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if model_type == "gemma3" else None,
+            query_pre_attn_scalar=(float(d.get("query_pre_attn_scalar", 256)) if model_type in ("gemma2", "gemma3")
+                                   else None),
             partial_rotary_factor=float(partial_rotary_factor or 1.0),
             rope_local_theta=float(rope_local_theta) if model_type == "gemma3" else None,
         )
@@ -230,7 +234,8 @@ class ModelConfig:
 def _sliding_layers(model_type: str, d: dict[str, Any]) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers' config classes derive them: Mistral and Phi-3 slide every layer
     when sliding_window is set (their masks: create_sliding_window_causal_mask); Qwen2/3 only with use_sliding_window,
-    from layer max_window_layers on; Gemma 3 interleaves, every sliding_window_pattern-th layer (default 6) global."""
+    from layer max_window_layers on; Gemma 3 interleaves, every sliding_window_pattern-th layer (default 6) global,
+    Gemma 2 every other layer."""
     window = d.get("sliding_window")
     layer_types = d.get("layer_types")
     n = d["num_hidden_layers"]
@@ -240,10 +245,11 @@ def _sliding_layers(model_type: str, d: dict[str, Any]) -> tuple[int | None, lis
         if layer_types is None:
             first = d.get("max_window_layers", 28)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    elif model_type == "gemma3":
+    elif model_type in ("gemma2", "gemma3"):
         window = d.get("sliding_window", 4096)
         if layer_types is None:
-            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+            default = 6 if model_type == "gemma3" else 2
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", default))
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif model_type not in ("mistral", "phi3"):
         return None, None

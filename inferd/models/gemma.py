@@ -1,11 +1,13 @@
-"""Gemma 3 (text): the Llama decoder with Gemma's changes, computed in transformers' order (Gemma3ForCausalLM).
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's changes, computed in transformers' order
+(Gemma2ForCausalLM, Gemma3ForCausalLM).
 
 - RMSNorm scales by (1 + w), in float32 before the cast back (GemmaRMSNorm), and a layer has four of them: around
   the attention (input, post_attention) and around the MLP (pre_feedforward, post_feedforward), each sublayer's
   output normed before it is added to the residual stream.
-- q and k are RMSNormed per head (the same (1 + w) norm), the scale is query_pre_attn_scalar ** -0.5.
-- Sliding layers (a window) and global layers interleave; sliding layers rotate by their own RoPE base
-  (rope_local_theta, unscaled), global ones by rope_theta and rope_scaling: two rotary tables.
+- Gemma 3: q and k are RMSNormed per head (the same (1 + w) norm); the scale is query_pre_attn_scalar ** -0.5.
+- Sliding layers (a window) and global layers interleave; Gemma 3's sliding layers rotate by their own RoPE base
+  (rope_local_theta, unscaled), global ones by rope_theta and rope_scaling: two rotary tables. Gemma 2 soft-caps
+  its attention scores (attn_logit_softcapping, in the attention kernels).
 - The embedding is scaled by sqrt(hidden_size), that factor cast to the model's dtype first; the MLP gates with
   GELU (tanh approximation); the logits may be soft-capped (final_logit_softcapping); the head is tied.
 """
@@ -55,8 +57,9 @@ class GemmaDecoderLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.sliding = bool(config.layer_types and config.layer_types[layer] == "sliding_attention")
         self.self_attn = Attention(config, layer)
-        self.self_attn.q_norm = GemmaRMSNorm(config.head_dim, eps)
-        self.self_attn.k_norm = GemmaRMSNorm(config.head_dim, eps)
+        if config.qk_norm:  # Gemma 3
+            self.self_attn.q_norm = GemmaRMSNorm(config.head_dim, eps)
+            self.self_attn.k_norm = GemmaRMSNorm(config.head_dim, eps)
         self.mlp = GemmaMLP(config)
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
@@ -71,14 +74,16 @@ class GemmaDecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm.forward(x)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(config, max_positions, dtype)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        # the sliding layers' table: their own base, no scaling (Gemma3RotaryEmbedding's "sliding_attention" entry)
-        local = dataclasses.replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None)
-        self.rotary_local = RotaryEmbedding(local, max_positions or config.max_position_embeddings, dtype)
+        # Gemma 3's sliding layers' table: their own base, no scaling (Gemma3RotaryEmbedding's "sliding_attention")
+        self.rotary_local = self.rotary
+        if config.rope_local_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.rotary_local = RotaryEmbedding(local, max_positions or config.max_position_embeddings, dtype)
         self.embed_scale = config.hidden_size ** 0.5
 
     def forward(self, input_ids, positions, meta, kv_caches):
@@ -97,7 +102,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
-        if cap:  # in the model's dtype, as Gemma3ForCausalLM
+        if cap:  # in the model's dtype, as transformers' Gemma models
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 

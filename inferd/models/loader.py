@@ -236,7 +236,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if config.architecture == "gemma3":
+        if config.architecture in ("gemma2", "gemma3"):
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)

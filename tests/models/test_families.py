@@ -1,11 +1,12 @@
 """The dense families beside Llama: Qwen3 (q/k norm, head_dim from the config, sliding layers from
 max_window_layers), Gemma 3 text (interleaved sliding and global layers with two RoPE tables, (1 + w) norms, four norms
-a layer, GELU, scaled embeddings, final soft-cap), Phi-3/4 (fused checkpoint projections, partial rotary, longrope,
-every layer sliding) and Mistral (every layer sliding). Each tiny random model is saved by transformers
-(save_pretrained), loaded by our loader and compared with transformers by the exactness rule (tests/parity.py) under
-staggered arrivals with chunked prefill and a prefix-cache hit, and under preemption, on prompts shorter and longer
-than its window; and the proof that the comparison fails a model built wrong (a q/k-norm epsilon, a window off by
-one, Gemma's embedding scale missing, a wrong partial-rotary split)."""
+a layer, GELU, scaled embeddings, final soft-cap), Gemma 2 (soft-capped scores and logits), Phi-3/4 (fused checkpoint
+projections, partial rotary, longrope, every layer sliding) and Mistral (every layer sliding). Each tiny random model
+is saved by transformers (save_pretrained), loaded by our loader and compared with transformers by the exactness rule
+(tests/parity.py) under staggered arrivals with chunked prefill and a prefix-cache hit, and under preemption, on
+prompts shorter and longer than its window; and the proof that the comparison fails a model built wrong (a q/k-norm
+epsilon, a window off by one, Gemma's embedding scale missing, a wrong partial-rotary split, Gemma 2's score soft-cap
+missing)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _hf_model(family: str):
                                   sliding_window=WINDOW - 2, sliding_window_pattern=2, rope_parameters=rope,
                                   final_logit_softcapping=30.0, rms_norm_eps=1e-6)
         cls = tf.Gemma3ForCausalLM
+    elif family == "gemma2":  # sliding, global; scores and logits soft-capped (caps low enough to bite)
+        cfg = tf.Gemma2Config(**common, num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                              rms_norm_eps=1e-6)
+        cls = tf.Gemma2ForCausalLM
     elif family == "phi3":  # Phi-4-mini's shape of things: partial rotary 0.75, longrope, every layer sliding
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                 "short_factor": [1.0, 1.05, 1.2, 1.5, 2.0, 3.0], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
@@ -61,11 +67,11 @@ def _hf_model(family: str):
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
         norm = model.model.norm.weight  # a peaked head (tests/parity.py); Gemma's scale is 1 + w
-        norm.copy_((1 + norm) * PEAKED_HEAD - 1 if family == "gemma3" else norm * PEAKED_HEAD)
+        norm.copy_((1 + norm) * PEAKED_HEAD - 1 if family.startswith("gemma") else norm * PEAKED_HEAD)
     return model
 
 
-FAMILIES = ["qwen3", "gemma3", "phi3", "mistral"]
+FAMILIES = ["qwen3", "gemma3", "gemma2", "phi3", "mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +150,9 @@ def test_config_reads_the_family(families, name):
         assert (c.qk_norm, c.query_pre_attn_scalar, c.final_logit_softcapping) == (True, 24.0, 30.0)
         assert windows == [WINDOW - 2, 0, WINDOW - 2] and c.tie_word_embeddings
         assert (c.rope_theta, c.rope_local_theta, c.rope_scaling["factor"]) == (1e6, 1e4, 2.0)
+    elif family.name == "gemma2":
+        assert (c.qk_norm, c.attn_logit_softcapping, c.final_logit_softcapping) == (False, 2.0, 30.0)
+        assert windows == [WINDOW, 0] and c.rope_local_theta is None
     elif family.name == "phi3":
         assert (c.rotary_dim, c.rope_scaling["rope_type"], windows) == (12, "longrope", [WINDOW + 4] * 2)
     else:
@@ -176,6 +185,7 @@ MUTATIONS = {
                                 None),
     "gemma-embedding-scale": ("gemma3", None, _no_embed_scale),
     "partial-rotary-split": ("phi3", _rotary_split, None),
+    "gemma2-no-attention-softcap": ("gemma2", lambda c: dataclasses.replace(c, attn_logit_softcapping=None), None),
 }
 
 

@@ -19,7 +19,8 @@ from inferd.models.rope import longrope_attention_factor, rope_inv_freq
 from parity import COMMITTED_REFS
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "phi3": "Phi3ForCausalLM"}
 
 
 def _eos(value) -> list[int]:
@@ -162,7 +163,7 @@ def test_a_wrong_field_is_caught(tiny_llama_dir, field, wrong):
         assert_matches(ours, hf_model(AutoConfig.from_pretrained(tiny_llama_dir)))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2", "phi3", "mistral"])
 def test_families(family, tmp_path):
     """The tiny models tests/models/test_families.py compares with transformers: Qwen3 (a sliding layer from
     max_window_layers), Gemma 3 (interleaved layers, two RoPE tables, query_pre_attn_scalar, final soft-cap), Phi-3
