@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")  # general.architecture values we load from GGUF
+# general.architecture values we load from GGUF
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _MISSING = object()
 
 
@@ -185,20 +186,23 @@ class ModelConfig:
         names = set(tensor_names)
         n_layers = int(scalar("block_count"))
         family: dict[str, Any] = {}
-        if arch == "gemma3":
-            # as llama.cpp reads them (src/llama-model.cpp): sliding layers every pattern-th layer global (6 unless the
-            # file says), their RoPE base 10000 unless freq_base_swa, the attention scale 1/sqrt(head_dim) except the
-            # 27B (62 layers) which uses hidden / heads
-            pattern = fields.get(f"{arch}.attention.sliding_window_pattern", 6)
+        if arch in ("gemma2", "gemma3"):
+            # as llama.cpp reads them (src/llama-model.cpp): every pattern-th layer global (Gemma 3: 6 unless the file
+            # says, Gemma 2: 2), Gemma 3's sliding layers' RoPE base 10000 unless freq_base_swa, the attention scale
+            # 1/sqrt(head_dim) except the 27B models' (Gemma 3: 62 layers, Gemma 2: 46) which use hidden / heads
+            gemma3 = arch == "gemma3"
+            pattern = fields.get(f"{arch}.attention.sliding_window_pattern", 6 if gemma3 else 2)
             if isinstance(pattern, (list, tuple)):  # per layer: True where the layer slides
                 layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
             else:
                 layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
                                for i in range(n_layers)]
             window = fields.get(f"{arch}.attention.sliding_window")
+            big = n_layers == (62 if gemma3 else 46)
             family = dict(sliding_window=int(window) if window else None, layer_types=layer_types if window else None,
-                          qk_norm=True, rope_local_theta=float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0)),
-                          query_pre_attn_scalar=float(hidden // heads if n_layers == 62 else head_dim),
+                          qk_norm=gemma3, query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+                          rope_local_theta=float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0)) if gemma3 else None,
+                          attn_logit_softcapping=fields.get(f"{arch}.attn_logit_softcapping"),
                           final_logit_softcapping=fields.get(f"{arch}.final_logit_softcapping"))
         elif arch == "qwen3":
             family = dict(qk_norm=True)

@@ -52,7 +52,9 @@ _GGUF_BLOCK_NAMES = {
 # the names some families' blocks add, or name differently (as llama.cpp's gguf-py MODEL_TENSORS has them)
 _GGUF_FAMILY_BLOCK_NAMES = {
     "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-    # Gemma 3: four norms a block; llama.cpp's ffn_norm is the one before the MLP
+    # Gemma 2/3: four norms a block; llama.cpp's ffn_norm is the one before the MLP
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
     "gemma3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
@@ -369,7 +371,7 @@ def _load_gguf(
             weights = _reverse_permute(weights, config.num_attention_heads, config.num_attention_heads)
         elif permute and ".attn_k." in tensor.name:
             weights = _reverse_permute(weights, config.num_attention_heads, config.num_key_value_heads)
-        if config.architecture == "gemma3" and tensor.name.endswith("norm.weight"):
+        if config.architecture in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
             weights = weights - 1  # llama.cpp stores Gemma's norms as 1 + w (transformers' Gemma2TensorProcessor)
         if not weights.flags.writeable or not weights.flags.c_contiguous:
             weights = np.array(weights)  # F32 tensors are views of the read-only memory map

@@ -1,7 +1,7 @@
-"""Qwen3, Gemma 3 and Phi-3 from GGUF: tiny random models written as llama.cpp's convert_hf_to_gguf.py writes them
-(gguf-py's tensor names and metadata keys; Gemma's norms stored as 1 + w; Phi-3's fused projections and longrope
-factors as tensors), in float32, load to the weights and the config of the same model's save_pretrained folder, and
-run to the same logits."""
+"""Qwen3, Gemma 2, Gemma 3 and Phi-3 from GGUF: tiny random models written as llama.cpp's convert_hf_to_gguf.py
+writes them (gguf-py's tensor names and metadata keys; Gemma's norms stored as 1 + w; Phi-3's fused projections and
+longrope factors as tensors), in float32, load to the weights and the config of the same model's save_pretrained
+folder, and run to the same logits."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ def _hf_model(family: str):
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, num_hidden_layers=6, head_dim=16,
                                                          query_pre_attn_scalar=16, sliding_window=10,
                                                          rope_parameters=rope))
+    elif family == "gemma2":  # llama.cpp's Gemma 2: every other layer global, query_pre_attn_scalar = head_dim
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, num_hidden_layers=2, head_dim=16,
+                                                     query_pre_attn_scalar=16, sliding_window=10,
+                                                     attn_logit_softcapping=2.0, final_logit_softcapping=30.0))
     else:
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                 "short_factor": [1.0, 1.05, 1.2, 1.5, 2.0, 3.0], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
@@ -56,8 +60,9 @@ _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm"}
-_FAMILY = {"gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                      "post_feedforward_layernorm": "post_ffw_norm"},
+_GEMMA2 = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
+_FAMILY = {"gemma2": _GEMMA2, "gemma3": _GEMMA2,
            "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
@@ -106,6 +111,11 @@ def _write_gguf(path: Path, family: str, model) -> Path:
         w.add_value_length(cfg.head_dim)
     if family == "qwen3":
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if family == "gemma2":
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
     if family == "gemma3":
         full = cfg.rope_parameters["full_attention"]
         w.add_rope_freq_base(full["rope_theta"])
@@ -114,7 +124,7 @@ def _write_gguf(path: Path, family: str, model) -> Path:
         w.add_sliding_window(cfg.sliding_window)
     for hf_name, t in state.items():
         arr = t.detach().float().numpy().copy()
-        if family == "gemma3" and hf_name.endswith("norm.weight"):
+        if family.startswith("gemma") and hf_name.endswith("norm.weight"):
             arr = arr + 1  # convert_hf_to_gguf.py's Gemma: the norms as 1 + w
         w.add_tensor(_gguf_name(family, hf_name), arr)
     w.write_header_to_file()
@@ -133,7 +143,7 @@ def _logits(model, cfg, prompt: list[int]):
     return req
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])
 def test_gguf_loads_as_the_folder(family, tmp_path):
     hf = _hf_model(family)
     hf.save_pretrained(tmp_path / "hf")
@@ -144,7 +154,7 @@ def test_gguf_loads_as_the_folder(family, tmp_path):
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
                   "attention_bias", "sliding_window", "layer_types", "qk_norm", "query_pre_attn_scalar",
-                  "partial_rotary_factor", "rope_local_theta", "final_logit_softcapping"):
+                  "partial_rotary_factor", "rope_local_theta", "attn_logit_softcapping", "final_logit_softcapping"):
         assert getattr(ours, field) == getattr(ref, field), field
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     if ref.rope_scaling is not None:
@@ -153,13 +163,13 @@ def test_gguf_loads_as_the_folder(family, tmp_path):
     state, ref_state = load_state_dict(path, ours, torch.float32), load_state_dict(tmp_path / "hf", ref, torch.float32)
     assert list(state) == list(ref_state)
     for name, t in ref_state.items():
-        if family == "gemma3" and name.endswith("norm.weight"):  # (1 + w) - 1 rounds: as transformers' GGUF load
+        if family.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) - 1 rounds (as transformers' load)
             torch.testing.assert_close(state[name], t, rtol=0, atol=1e-6)
         else:
             assert torch.equal(state[name], t), name
 
-    if family == "gemma3":  # the norms un-shifted bit for bit as transformers' own GGUF load does (its Qwen3 GGUF
-        # load ignores key_length, its Phi-3 one sets a pad id past a tiny vocabulary: not compared)
+    if family.startswith("gemma"):  # the norms un-shifted bit for bit as transformers' own GGUF load does (its Qwen3
+        # GGUF load ignores key_length, its Phi-3 one sets a pad id past a tiny vocabulary: not compared)
         from transformers import AutoModelForCausalLM
 
         theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
@@ -175,11 +185,11 @@ def test_gguf_loads_as_the_folder(family, tmp_path):
 
 
 def test_gguf_block_names_cover_the_families():
-    """Every tensor name gguf-py lists for the three architectures that a HF checkpoint has maps to a HF name."""
+    """Every tensor name gguf-py lists for the four architectures that a HF checkpoint has maps to a HF name."""
     import gguf
     from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
-    for arch, skip in ((MODEL_ARCH.QWEN3, {"rope_freqs"}), (MODEL_ARCH.GEMMA3, set()),
+    for arch, skip in ((MODEL_ARCH.QWEN3, {"rope_freqs"}), (MODEL_ARCH.GEMMA2, set()), (MODEL_ARCH.GEMMA3, set()),
                        (MODEL_ARCH.PHI3, {"rope_factors_long", "rope_factors_short", "blk.{bid}.attn_q",
                                           "blk.{bid}.attn_k", "blk.{bid}.attn_v"})):
         name = gguf.MODEL_ARCH_NAMES[arch]
