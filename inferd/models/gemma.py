@@ -85,6 +85,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             local = dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
             self.rotary_local = RotaryEmbedding(local, max_positions or config.max_position_embeddings, dtype)
         self.embed_scale = config.hidden_size ** 0.5
+        self.drop_unreachable_windows(max_positions or config.max_position_embeddings)
 
     def forward(self, input_ids, positions, meta, kv_caches):
         ops = self.ops

@@ -52,6 +52,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype)
         # the step's operators (inferd/kernels): the torch references until an engine selects the fused ones
         self.ops = reference_ops
+        self.drop_unreachable_windows(max_positions or config.max_position_embeddings)
+
+    def drop_unreachable_windows(self, max_positions: int) -> None:
+        """A sliding window of max_positions or more never hides a position (Mistral v0.1's 4096 at a shorter
+        context, Phi-4-mini's 262144): such a layer attends plainly, and the fused kernels keep running it."""
+        for layer in self.layers:
+            if layer.self_attn.window >= max_positions:
+                layer.self_attn.window = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -242,3 +242,17 @@ def test_tensor_parallel_shards_phi3s_fused_projections():
                                                                           for n in "qkv"]))
         assert torch.equal(a[p + "mlp.gate_up_proj.weight"], torch.cat([b[p + "mlp.gate_proj.weight"],
                                                                        b[p + "mlp.up_proj.weight"]]))
+
+
+def test_a_window_past_the_context_is_dropped():
+    """Mistral v0.1's window of 4096 at a context of 4096 or less never hides a position: its layers attend plainly
+    (the fused decode stack runs them); at a longer context they slide."""
+    from inferd.models.config import ModelConfig
+    from inferd.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(architecture="mistral", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, sliding_window=4096,
+                      max_position_embeddings=32768)
+    with torch.device("meta"):
+        assert all(layer.self_attn.plain for layer in LlamaForCausalLM(cfg, 4096).layers)
+        assert [layer.self_attn.window for layer in LlamaForCausalLM(cfg, 4097).layers] == [4096, 4096]
