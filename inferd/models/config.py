@@ -6,14 +6,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we can load from GGUF
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
+# general.architecture values we load from GGUF
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _MISSING = object()
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" (text) | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +43,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5
     partial_rotary_factor: float = 1.0  # Phi: RoPE on the first head_dim * factor dims of each head
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of layer `layer` (0: it attends to its whole context)."""
@@ -63,19 +65,37 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if model_type == "gemma3" and isinstance(d.get("text_config"), dict):  # the multimodal config: its text part
+            d = {**d["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3" if model_type == "gemma3_text" else model_type
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
-        # transformers 5 moved rope settings into "rope_parameters"
+        rope_local_theta = d.get("rope_local_base_freq")  # Gemma 3 before transformers 5
+        partial_rotary_factor = d.get("partial_rotary_factor")
+        # transformers 5 moved rope settings into "rope_parameters" (Gemma 3: one dict per layer type)
         rp = d.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+            rope_local_theta = (rp.get("sliding_attention") or {}).get("rope_theta", rope_local_theta)
+            rp = rp["full_attention"]
         if isinstance(rp, dict):
             rope_theta = rp.get("rope_theta", rope_theta)
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+            partial_rotary_factor = rp.get("partial_rotary_factor", partial_rotary_factor)
+            if rp.get("rope_type", rp.get("type", "default")) != "default":
+                rope_scaling = {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
+        if model_type == "phi3" and rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            if rope_scaling.get("rope_type", rope_scaling.get("type")) in ("su", "yarn", "longrope"):  # Phi3Config's
+                rope_scaling["rope_type"] = "longrope"
+            rope_scaling.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+        if model_type == "gemma3":
+            rope_theta = 1_000_000.0 if rope_theta is None else rope_theta  # Gemma3TextConfig's defaults
+            rope_local_theta = 10_000.0 if rope_local_theta is None else rope_local_theta
+        sliding_window, layer_types = _sliding_layers(model_type, d)
         return cls(
             architecture=model_type,
             vocab_size=d["vocab_size"],
@@ -89,10 +109,23 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3"))),
+            # Phi-3's fused projection has no bias whatever the config says
+            attention_bias=model_type != "phi3" and bool(d.get("attention_bias", model_type == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            # Gemma 2 soft-caps scores and logits (Gemma2Config's defaults 50 and 30); Gemma3Attention holds
+            # attn_logit_softcapping but never applies it, Gemma3ForCausalLM applies the final one
+            attn_logit_softcapping=d.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=(d.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+                                     if model_type in ("gemma2", "gemma3") else None),
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            query_pre_attn_scalar=(float(d.get("query_pre_attn_scalar", 256)) if model_type in ("gemma2", "gemma3")
+                                   else None),
+            partial_rotary_factor=float(partial_rotary_factor or 1.0),
+            rope_local_theta=float(rope_local_theta) if model_type == "gemma3" else None,
         )
 
     @classmethod
@@ -121,7 +154,9 @@ class ModelConfig:
         hidden = int(scalar("embedding_length"))
         heads = int(scalar("attention.head_count"))
         kv_heads = int(scalar("attention.head_count_kv", heads) or heads)
-        head_dim = scalar("attention.key_length", None) or scalar("rope.dimension_count", None) or hidden // heads
+        rope_dims = scalar("rope.dimension_count", None)
+        # Phi-3 writes no key_length, and its rope.dimension_count is the rotated part of a head
+        head_dim = scalar("attention.key_length", None) or (arch != "phi3" and rope_dims) or hidden // heads
 
         vocab = fields.get(f"{arch}.vocab_size")
         if vocab is None:
@@ -149,12 +184,42 @@ class ModelConfig:
         bos = fields.get("tokenizer.ggml.bos_token_id")
 
         names = set(tensor_names)
+        n_layers = int(scalar("block_count"))
+        family: dict[str, Any] = {}
+        if arch in ("gemma2", "gemma3"):
+            # as llama.cpp reads them (src/llama-model.cpp): every pattern-th layer global (Gemma 3: 6 unless the file
+            # says, Gemma 2: 2), Gemma 3's sliding layers' RoPE base 10000 unless freq_base_swa, the attention scale
+            # 1/sqrt(head_dim) except the 27B models' (Gemma 3: 62 layers, Gemma 2: 46) which use hidden / heads
+            gemma3 = arch == "gemma3"
+            pattern = fields.get(f"{arch}.attention.sliding_window_pattern", 6 if gemma3 else 2)
+            if isinstance(pattern, (list, tuple)):  # per layer: True where the layer slides
+                layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                               for i in range(n_layers)]
+            window = fields.get(f"{arch}.attention.sliding_window")
+            big = n_layers == (62 if gemma3 else 46)
+            family = dict(sliding_window=int(window) if window else None, layer_types=layer_types if window else None,
+                          qk_norm=gemma3, query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+                          rope_local_theta=float(fields.get(f"{arch}.rope.freq_base_swa", 10000.0)) if gemma3 else None,
+                          attn_logit_softcapping=fields.get(f"{arch}.attn_logit_softcapping"),
+                          final_logit_softcapping=fields.get(f"{arch}.final_logit_softcapping"))
+        elif arch == "qwen3":
+            family = dict(qk_norm=True)
+        elif arch == "phi3":
+            window = fields.get(f"{arch}.attention.sliding_window")
+            family = dict(sliding_window=int(window) if window else None,
+                          partial_rotary_factor=(int(rope_dims) if rope_dims else int(head_dim)) / int(head_dim))
+            if "rope_factors_long.weight" in names:  # longrope: the factors themselves are tensors (the loader)
+                orig = fields.get(f"{arch}.rope.scaling.original_context_length")
+                rope_scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
+                                "attention_factor": float(fields.get(f"{arch}.rope.scaling.attn_factor", 1.0))}
         return cls(
             architecture=str(arch),
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(scalar("feed_forward_length")),
-            num_hidden_layers=int(scalar("block_count")),
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
@@ -166,4 +231,32 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            **family,
         )
+
+
+def _sliding_layers(model_type: str, d: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers' config classes derive them: Mistral and Phi-3 slide every layer
+    when sliding_window is set (their masks: create_sliding_window_causal_mask); Qwen2/3 only with use_sliding_window,
+    from layer max_window_layers on; Gemma 3 interleaves, every sliding_window_pattern-th layer (default 6) global,
+    Gemma 2 every other layer."""
+    window = d.get("sliding_window")
+    layer_types = d.get("layer_types")
+    n = d["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window", False):
+            return None, None
+        if layer_types is None:
+            first = d.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    elif model_type in ("gemma2", "gemma3"):
+        window = d.get("sliding_window", 4096)
+        if layer_types is None:
+            default = 6 if model_type == "gemma3" else 2
+            pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", default))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    elif model_type not in ("mistral", "phi3"):
+        return None, None
+    if not window:
+        return None, None
+    return int(window), (list(layer_types) if layer_types is not None else None)

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/4) in plain PyTorch over a paged KV
+cache. Gemma 3 changes the layer (gemma.py).
 
 Rows of a step are flattened: [T, hidden], decodes first, then prefill chunks. Projections that read the same input
 are fused (q/k/v into one matmul, gate/up into one): fewer, larger matmuls are what a CPU (and a GPU) does best.
@@ -51,6 +52,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype)
         # the step's operators (inferd/kernels): the torch references until an engine selects the fused ones
         self.ops = reference_ops
+        self.drop_unreachable_windows(max_positions or config.max_position_embeddings)
+
+    def drop_unreachable_windows(self, max_positions: int) -> None:
+        """A sliding window of max_positions or more never hides a position (Mistral v0.1's 4096 at a shorter
+        context, Phi-4-mini's 262144): such a layer attends plainly, and the fused kernels keep running it."""
+        for layer in self.layers:
+            if layer.self_attn.window >= max_positions:
+                layer.self_attn.window = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -144,12 +153,22 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
-            layer.self_attn.qkv_proj.load(
-                torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0),
-                torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None)
+            if attn + "qkv_proj.weight" in state:  # Phi-3: fused in the checkpoint, in our order (q, k, v)
+                layer.self_attn.qkv_proj.load(take(attn + "qkv_proj.weight"))
+            else:
+                layer.self_attn.qkv_proj.load(
+                    torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0),
+                    torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None)
             layer.self_attn.o_proj.load(take(attn + "o_proj.weight"))
+            if cfg.qk_norm:  # Qwen3, Gemma 3
+                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
             mlp = src + "mlp."
-            layer.mlp.gate_up_proj.load(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
+            if mlp + "gate_up_proj.weight" in state:  # Phi-3: fused, gate then up
+                layer.mlp.gate_up_proj.load(take(mlp + "gate_up_proj.weight"))
+            else:
+                layer.mlp.gate_up_proj.load(torch.cat([take(mlp + "gate_proj.weight"),
+                                                       take(mlp + "up_proj.weight")]))
             layer.mlp.down_proj.load(take(mlp + "down_proj.weight"))
 
     def pack_weights(self) -> int:

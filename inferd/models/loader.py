@@ -49,6 +49,18 @@ _GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
 }
+# the names some families' blocks add, or name differently (as llama.cpp's gguf-py MODEL_TENSORS has them)
+_GGUF_FAMILY_BLOCK_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    # Gemma 2/3: four norms a block; llama.cpp's ffn_norm is the one before the MLP
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3: fused projections, as in its HF checkpoint (ffn_up holds gate and up)
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -91,8 +103,20 @@ def load_model_config(path: str | os.PathLike[str]) -> ModelConfig:
         if not path.lower().endswith(".gguf"):
             raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
         meta = read_gguf_metadata(path)
-        return ModelConfig.from_gguf_fields(meta.fields, meta.tensors.keys())
+        config = ModelConfig.from_gguf_fields(meta.fields, meta.tensors.keys())
+        if config.rope_scaling and config.rope_scaling.get("rope_type") == "longrope":
+            config.rope_scaling.update(_gguf_rope_factors(path))
+        return config
     raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def _gguf_rope_factors(path: str) -> dict[str, list[float]]:
+    """Phi-3's longrope factors, stored as the tensors rope_factors_long/short (llama.cpp's convert_hf_to_gguf.py)."""
+    from gguf import GGUFReader  # ~2.5 s on a large vocabulary; only a longrope GGUF pays it
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    return {f"{kind}_factor": [float(x) for x in np.asarray(tensors[f"rope_factors_{kind}.weight"].data).ravel()]
+            for kind in ("long", "short")}
 
 
 def generation_config_eos_ids(folder: str | os.PathLike[str]) -> list[int]:
@@ -192,19 +216,31 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        if config.architecture == "phi3":  # fused in the checkpoint
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
+        if config.architecture == "phi3":
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.architecture in ("gemma2", "gemma3"):
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -248,6 +284,9 @@ def load_state_dict(
 def _normalize_hf_name(name: str) -> str:
     if name.startswith(("layers.", "embed_tokens.", "norm.")):  # saved from a bare LlamaModel
         return "model." + name
+    for prefix in ("model.language_model.", "language_model.model."):  # Gemma 3's multimodal checkpoints' text part
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
     return name
 
 
@@ -289,12 +328,12 @@ def _reverse_permute(weights: np.ndarray, n_head: int, num_kv_heads: int | None 
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
-        module = _GGUF_BLOCK_NAMES.get(parts[2])
+        module = _GGUF_FAMILY_BLOCK_NAMES.get(arch, {}).get(parts[2]) or _GGUF_BLOCK_NAMES.get(parts[2])
         if module is not None:
             return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     return None  # e.g. rope_freqs.weight: not a HF parameter
@@ -312,7 +351,7 @@ def _load_gguf(
     reader = GGUFReader(path)
     wanted = []
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = _gguf_to_hf_name(tensor.name, config.architecture)
         if hf_name is None or hf_name not in expected:
             continue
         if tensor.tensor_type not in supported:  # check everything before spending time dequantizing
@@ -332,6 +371,8 @@ def _load_gguf(
             weights = _reverse_permute(weights, config.num_attention_heads, config.num_attention_heads)
         elif permute and ".attn_k." in tensor.name:
             weights = _reverse_permute(weights, config.num_attention_heads, config.num_key_value_heads)
+        if config.architecture in ("gemma2", "gemma3") and tensor.name.endswith("norm.weight"):
+            weights = weights - 1  # llama.cpp stores Gemma's norms as 1 + w (transformers' Gemma2TensorProcessor)
         if not weights.flags.writeable or not weights.flags.c_contiguous:
             weights = np.array(weights)  # F32 tensors are views of the read-only memory map
         out[hf_name] = torch.from_numpy(weights).to(dtype)

@@ -53,7 +53,7 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
 
 def shard_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, tp: int, rank: int
                      ) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s slice of a HF-named state dict (views, not copies)."""
+    """Rank `rank`'s slice of a HF-named state dict (views, not copies; Phi-3's fused projections: copies)."""
     local = shard_config(config, tp)
     q_rows = local.num_attention_heads * config.head_dim
     kv_rows = local.num_key_value_heads * config.head_dim
@@ -63,7 +63,12 @@ def shard_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, tp: in
     out = {}
     for name, t in state.items():
         module = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
-        if module in column:  # weight [out, in] and bias [out]: this rank's output features
+        if module in ("qkv_proj", "gate_up_proj"):  # Phi-3's fused projections: this rank's rows of each part
+            sizes = ([config.num_attention_heads * config.head_dim] + [config.num_key_value_heads * config.head_dim] * 2
+                     if module == "qkv_proj" else [config.intermediate_size] * 2)
+            shares = [q_rows, kv_rows, kv_rows] if module == "qkv_proj" else [inter, inter]
+            t = torch.cat([part[rank * n:(rank + 1) * n] for part, n in zip(t.split(sizes), shares)])
+        elif module in column:  # weight [out, in] and bias [out]: this rank's output features
             n = column[module]
             t = t[rank * n:(rank + 1) * n]
         elif module in row:  # weight [out, in]: this rank's input features

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain RoPE, linear scaling and Llama 3 scaling, computed as transformers does."""
+"""Rotary position embeddings: plain RoPE, linear scaling, Llama 3 scaling and Phi-3's longrope, computed as
+transformers does."""
 
 from __future__ import annotations
 
@@ -10,15 +11,35 @@ from ..kernels.reference import apply_rotary, rotate_half  # noqa: F401 - the mo
 from .config import ModelConfig
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def _kind(config: ModelConfig) -> str | None:
+    scaling = config.rope_scaling
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
+def longrope_attention_factor(config: ModelConfig) -> float:
+    """The factor longrope multiplies cos and sin by (transformers' _compute_longrope_parameters): the config's, or
+    sqrt(1 + ln(factor) / ln(original context)) with factor max_position_embeddings / original context."""
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """The inverse frequencies; longrope's short factors (the ones transformers' rotary_emb.inv_freq holds), or with
+    long=True its long ones."""
     dim = config.rotary_dim  # partial rotary (Phi): the tables cover only the rotated dims
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
-    )
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    kind = _kind(config)
+    if kind == "longrope":
+        factors = config.rope_scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** shape)
+    inv_freq = 1.0 / (config.rope_theta ** shape)
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
@@ -34,7 +55,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope)")
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -52,12 +73,25 @@ class RotaryEmbedding(torch.nn.Module):
         device = device or self.cos.device
         if device == torch.device("meta"):
             return
-        inv_freq = rope_inv_freq(self.config)
         positions = torch.arange(self.max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * rope_inv_freq(self.config)[None, :]
+        scale = 1.0
+        if _kind(self.config) == "longrope":
+            # transformers switches a whole forward to the long factors once it reaches past the original context
+            # (and Phi3ForCausalLM recomputes the cache then); a paged cache keeps what it computed, so here a
+            # position past the original context rotates by the long factors and one within it by the short ones:
+            # the same as transformers for every sequence within the original context
+            orig = int(self.config.rope_scaling["original_max_position_embeddings"])
+            long = positions[:, None] * rope_inv_freq(self.config, long=True)[None, :]
+            freqs = torch.where(positions[:, None] >= orig, long, freqs)
+            scale = longrope_attention_factor(self.config)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=device, dtype=self.dtype)
+        # as transformers: cos() * attention_scaling in float32, then the model's dtype
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(device=device, dtype=self.dtype)
+        self.sin = sin.to(device=device, dtype=self.dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]

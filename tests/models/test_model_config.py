@@ -15,14 +15,45 @@ import torch
 
 from inferd.models.config import ModelConfig
 from inferd.models.loader import load_model_config
-from inferd.models.rope import rope_inv_freq
+from inferd.models.rope import longrope_attention_factor, rope_inv_freq
 from parity import COMMITTED_REFS
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "phi3": "Phi3ForCausalLM"}
 
 
 def _eos(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _projections(attn) -> list:
+    """A layer's q/k/v projections (Phi-3: its one fused projection)."""
+    return [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "qkv_proj") if hasattr(attn, n)]
+
+
+def _window(hf, i: int) -> int:
+    """Layer i's sliding window in transformers: its attention's, or (Mistral, Phi-3: no attribute) the config's,
+    which their masks use for every layer."""
+    attn = hf.model.layers[i].self_attn
+    return (attn.sliding_window if hasattr(attn, "sliding_window") else getattr(hf.config, "sliding_window", None)) or 0
+
+
+def _inv_freq(hf, kind: str = "full_attention") -> torch.Tensor:
+    """The rotary inverse frequencies (Gemma 3: of one layer kind)."""
+    rotary = hf.model.rotary_emb
+    if hasattr(rotary, f"{kind}_inv_freq"):
+        return getattr(rotary, f"{kind}_inv_freq")
+    return rotary.inv_freq if kind == "full_attention" else None
+
+
+def _hf_attention_scaling(hf) -> float:
+    rotary = hf.model.rotary_emb
+    return getattr(rotary, "attention_scaling", getattr(rotary, "full_attention_attention_scaling", None))
+
+
+def _attention_scaling(c: ModelConfig) -> float:
+    return longrope_attention_factor(c) if (c.rope_scaling or {}).get("rope_type") == "longrope" else 1.0
 
 
 # ModelConfig field -> (ours, the transformers model) -> None, or raises AssertionError
@@ -30,35 +61,32 @@ CHECKS = {
     "architecture": lambda c, hf: type(hf).__name__ == HF_CLASSES[c.architecture],
     "vocab_size": lambda c, hf: hf.model.embed_tokens.num_embeddings == hf.lm_head.out_features == c.vocab_size,
     "hidden_size": lambda c, hf: hf.model.embed_tokens.embedding_dim == c.hidden_size,
-    "intermediate_size": lambda c, hf: all(layer.mlp.gate_proj.out_features == layer.mlp.up_proj.out_features
-                                           == c.intermediate_size for layer in hf.model.layers),
+    "intermediate_size": lambda c, hf: all(layer.mlp.down_proj.in_features == c.intermediate_size
+                                           for layer in hf.model.layers),
     "num_hidden_layers": lambda c, hf: len(hf.model.layers) == c.num_hidden_layers,
-    "num_attention_heads": lambda c, hf: all(layer.self_attn.q_proj.out_features == c.num_attention_heads * c.head_dim
+    "num_attention_heads": lambda c, hf: all(layer.self_attn.o_proj.in_features == c.num_attention_heads * c.head_dim
                                              for layer in hf.model.layers),
-    "num_key_value_heads": lambda c, hf: all(layer.self_attn.k_proj.out_features == layer.self_attn.v_proj.out_features
-                                             == c.num_key_value_heads * c.head_dim for layer in hf.model.layers),
+    "num_key_value_heads": lambda c, hf: all(sum(p.out_features for p in _projections(layer.self_attn))
+                                             == (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                                             for layer in hf.model.layers),
     "head_dim": lambda c, hf: all(layer.self_attn.head_dim == c.head_dim for layer in hf.model.layers),
-    "rms_norm_eps": lambda c, hf: all(norm.variance_epsilon == c.rms_norm_eps for norm in
-                                      [hf.model.norm] + [n for layer in hf.model.layers
-                                                         for n in (layer.input_layernorm,
-                                                                   layer.post_attention_layernorm)]),
+    "rms_norm_eps": lambda c, hf: all(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) == c.rms_norm_eps
+                                      for norm in hf.modules() if type(norm).__name__.endswith("RMSNorm")),
     # the rotary tables: ours from rope_theta and rope_scaling, transformers' from its own rope parameters
-    "rope_theta": lambda c, hf: torch.equal(rope_inv_freq(c), hf.model.rotary_emb.inv_freq.float()),
-    "rope_scaling": lambda c, hf: torch.equal(rope_inv_freq(c), hf.model.rotary_emb.inv_freq.float())
-    and hf.model.rotary_emb.attention_scaling == 1.0,
+    "rope_theta": lambda c, hf: torch.equal(rope_inv_freq(c), _inv_freq(hf).float()),
+    "rope_scaling": lambda c, hf: torch.equal(rope_inv_freq(c), _inv_freq(hf).float())
+    and _hf_attention_scaling(hf) == _attention_scaling(c),
     "max_position_embeddings": lambda c, hf: hf.config.max_position_embeddings == c.max_position_embeddings,
     "tie_word_embeddings": lambda c, hf: (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr())
     == c.tie_word_embeddings,
-    "attention_bias": lambda c, hf: all((layer.self_attn.q_proj.bias is not None) == (layer.self_attn.k_proj.bias
-                                        is not None) == (layer.self_attn.v_proj.bias is not None) == c.attention_bias
+    "attention_bias": lambda c, hf: all(all((p.bias is not None) == c.attention_bias
+                                            for p in _projections(layer.self_attn))
                                         and layer.self_attn.o_proj.bias is None for layer in hf.model.layers),
     "bos_token_id": lambda c, hf: hf.config.bos_token_id == c.bos_token_id,
     "eos_token_ids": lambda c, hf: _eos(hf.config.eos_token_id) == c.eos_token_ids,
     # the attention options: what each transformers attention layer holds
-    "sliding_window": lambda c, hf: all(c.layer_window(i) == (getattr(layer.self_attn, "sliding_window", None) or 0)
-                                        for i, layer in enumerate(hf.model.layers)),
-    "layer_types": lambda c, hf: all(c.layer_window(i) == (getattr(layer.self_attn, "sliding_window", None) or 0)
-                                     for i, layer in enumerate(hf.model.layers)),
+    "sliding_window": lambda c, hf: all(c.layer_window(i) == _window(hf, i) for i in range(len(hf.model.layers))),
+    "layer_types": lambda c, hf: all(c.layer_window(i) == _window(hf, i) for i in range(len(hf.model.layers))),
     "attn_logit_softcapping": lambda c, hf: all(getattr(layer.self_attn, "attn_logit_softcapping", None)
                                                 == c.attn_logit_softcapping for layer in hf.model.layers),
     "final_logit_softcapping": lambda c, hf: getattr(hf.config, "final_logit_softcapping", None)
@@ -70,7 +98,11 @@ CHECKS = {
     "query_pre_attn_scalar": lambda c, hf: all(layer.self_attn.scaling
                                                == (c.query_pre_attn_scalar or c.head_dim) ** -0.5
                                                for layer in hf.model.layers),
-    "partial_rotary_factor": lambda c, hf: hf.model.rotary_emb.inv_freq.numel() * 2 == c.rotary_dim,
+    "partial_rotary_factor": lambda c, hf: _inv_freq(hf).numel() * 2 == c.rotary_dim,
+    # Gemma 3's sliding layers' table; elsewhere none
+    "rope_local_theta": lambda c, hf: torch.equal(rope_inv_freq(dataclasses.replace(
+        c, rope_theta=c.rope_local_theta, rope_scaling=None)), _inv_freq(hf, "sliding_attention").float())
+    if c.rope_local_theta is not None else _inv_freq(hf, "sliding_attention") is None,
 }
 
 
@@ -129,3 +161,15 @@ def test_a_wrong_field_is_caught(tiny_llama_dir, field, wrong):
     ours = dataclasses.replace(load_model_config(str(tiny_llama_dir)), **{field: wrong})
     with pytest.raises(AssertionError, match=field):
         assert_matches(ours, hf_model(AutoConfig.from_pretrained(tiny_llama_dir)))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma2", "phi3", "mistral"])
+def test_families(family, tmp_path):
+    """The tiny models tests/models/test_families.py compares with transformers: Qwen3 (a sliding layer from
+    max_window_layers), Gemma 3 (interleaved layers, two RoPE tables, query_pre_attn_scalar, final soft-cap), Phi-3
+    (partial rotary, longrope), Mistral (every layer sliding), read from their saved config.json."""
+    from test_families import _hf_model
+
+    hf = _hf_model(family)
+    hf.config.save_pretrained(tmp_path)
+    assert_matches(load_model_config(str(tmp_path)), hf)
