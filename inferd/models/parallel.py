@@ -7,6 +7,11 @@ In every decoder layer the q/k/v and gate/up projections are column-parallel: ra
 o_proj and down_proj are row-parallel: each rank multiplies its slice of the input features and an all-reduce adds
 the partial sums (two all-reduces per layer). Embedding, norms and lm_head are replicated. Each rank's paged KV
 cache holds only its KV heads.
+
+Expert parallelism (MoE blocks, moe.SparseMoE): rank r holds experts [r*E/N, (r+1)*E/N) whole (not a slice of every
+expert), routes every token over all E experts with the replicated router, computes only its experts' weighted
+share of the output, and an all-reduce adds the ranks' shares (one all-reduce per MoE layer, where a tensor-parallel
+MLP also has one). Each rank reads 1/N of the expert weights, and a token costs only the ranks holding its experts.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels import REFERENCE as reference_ops
 from .config import ModelConfig
+from .moe import MoESpec, SparseMoE
 
 if TYPE_CHECKING:
     from .llama import LlamaForCausalLM
@@ -93,3 +100,43 @@ def build_shard(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     return model
+
+
+# ---- expert parallelism ------------------------------------------------------------------------------------------
+def check_expert_parallel(num_experts: int, ep: int) -> None:
+    """ValueError unless ep ranks split num_experts evenly."""
+    if ep < 1:
+        raise ValueError(f"expert_parallel must be at least 1, got {ep}")
+    if num_experts % ep:
+        raise ValueError(f"expert_parallel={ep} does not divide the model's num_experts={num_experts}")
+
+
+def expert_range(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """The experts [start, stop) rank `rank` of ep holds."""
+    check_expert_parallel(num_experts, ep)
+    n = num_experts // ep
+    return rank * n, (rank + 1) * n
+
+
+class ExpertParallel(nn.Module):
+    """An MoE block whose experts are split over the group's ranks: this rank's SparseMoE (built over its
+    expert_range) computes its experts' share, and an all-reduce adds every rank's. forward(x, ops) as the block's."""
+
+    def __init__(self, moe: SparseMoE, group: dist.ProcessGroup):
+        super().__init__()
+        self.moe = moe
+        self.group = group
+
+    def forward(self, x: torch.Tensor, ops=reference_ops) -> torch.Tensor:
+        y = self.moe(x, ops)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def expert_parallel_block(spec: MoESpec, state: dict[str, torch.Tensor], prefix: str, ep: int, rank: int,
+                          group: dist.ProcessGroup) -> ExpertParallel:
+    """Rank `rank`'s share of one MoE block, loaded from transformers' names under prefix (SparseMoE.load_hf_state:
+    either form); the caller moves it to its dtype and device."""
+    moe = SparseMoE(spec, expert_range(spec.num_experts, ep, rank))
+    moe.load_hf_state(state, prefix)
+    return ExpertParallel(moe, group)

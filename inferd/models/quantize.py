@@ -293,9 +293,12 @@ def quantize_model(model: nn.Module, mode: str | None) -> int:
     # bits it cost 0.037 nats of KL against bf16 on its own (0.004 without), and int8's kernel was no faster than
     # bf16's for it here (49152 x 576 at one row: int8 2.15 ms, bf16 1.92, int4 0.89)
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is Linear and not (mode == "int4" and name == "lm_head")]
+               if type(m) is Linear and not (mode == "int4" and name == "lm_head")
+               and not getattr(m, "keep_precision", False)]  # an MoE router (moe.py): routing is a near-tie argmax
+    # MoE blocks (moe.SparseMoE) quantize their stacked experts themselves, one quantized Linear per expert matrix
+    experts = sum(m.quantize_experts(mode) for m in model.modules() if hasattr(m, "quantize_experts"))
     if not targets:
-        return 0
+        return experts
     dtype = targets[0][1].weight.dtype
     if targets[0][1].weight.device.type != "cpu":
         warnings.warn("int8 weights on a GPU: torch has no fused int8-weight kernel there, so each matmul converts "
@@ -312,7 +315,7 @@ def quantize_model(model: nn.Module, mode: str | None) -> int:
         linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=linear.weight.device), requires_grad=False)
     if hasattr(model, "forget_decode_stacks"):
         model.forget_decode_stacks()  # they held the replaced modules' weights
-    return len(targets)
+    return len(targets) + experts
 
 
 def weight_bytes(model: nn.Module) -> int:
