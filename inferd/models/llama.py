@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; with an MoE block for Mixtral, Qwen3-MoE and gpt-oss:
+moe_families.py) in plain PyTorch over a paged KV cache.
 
 Rows of a step are flattened: [T, hidden], decodes first, then prefill chunks. Projections that read the same input
 are fused (q/k/v into one matmul, gate/up into one): fewer, larger matmuls are what a CPU (and a GPU) does best.
@@ -14,7 +15,8 @@ from torch import nn
 from ..kernels import REFERENCE as reference_ops
 from .attention import Attention, AttentionMetadata
 from .config import ModelConfig
-from .layers import MLP, Linear, RMSNorm
+from .layers import Linear, RMSNorm
+from .moe_families import make_mlp, moe_prefix
 from .quantize import INT4_MAX_ROWS
 from .rope import RotaryEmbedding
 
@@ -25,7 +27,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer)  # the gated MLP, or an MoE block (moe.py) on an MoE family's MoE layers
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache, ops, rotary):
         """x: the previous layer's output (None for the first layer), added to residual (in place) before the norm;
@@ -78,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         """decode_layers' lists for a step of `rows` rows (norm weights, then per layer four (kind, weight, aux,
         bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
         has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
-        different norm epsilons, attention options)."""
+        different norm epsilons, attention options, an MoE block: it has no gate_up_proj)."""
         key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
         cache = self.__dict__.setdefault("_decode_stacks", {})
         if key in cache:
@@ -147,7 +149,16 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.qkv_proj.load(
                 torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0),
                 torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None)
-            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"))
+            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"),
+                                        take(attn + "o_proj.bias") if cfg.attention_output_bias else None)
+            if cfg.qk_norm:
+                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
+            if cfg.attention_sinks:
+                put(dst + "self_attn.sinks", take(attn + "sinks"))
+            if cfg.is_moe_layer(i):  # router and experts, as the family's checkpoint names them (moe_families.py)
+                layer.mlp.load_hf_state(state, moe_prefix(cfg, i))
+                continue
             mlp = src + "mlp."
             layer.mlp.gate_up_proj.load(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
             layer.mlp.down_proj.load(take(mlp + "down_proj.weight"))
@@ -158,10 +169,13 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer and the head; the embedding table is only
-        looked up a row per token."""
+        looked up a row per token. An MoE block's experts are not in it: a step reads only those its tokens picked
+        (moe_families.expert_bytes_touched); its router is."""
         tensors = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
         total = 0
-        for m in self.modules():
+        for name, m in self.named_modules():
+            if ".experts" in name:
+                continue
             if isinstance(m, Linear) and hasattr(m, "step_bytes"):  # int4: the 4-bit codes a decode step reads
                 total += m.step_bytes(1)
             elif isinstance(m, Linear):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import ModelConfig
+from .moe_families import gguf_moe_name, moe_weight_shapes
 
 if TYPE_CHECKING:  # torch is imported where weights are loaded, not by reading a config
     import torch
@@ -48,6 +49,8 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -200,9 +203,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.attention_output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
+        if config.is_moe_layer(i):  # router and experts (moe_families.py)
+            shapes.update(moe_weight_shapes(config, i))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
@@ -289,10 +302,18 @@ def _reverse_permute(weights: np.ndarray, n_head: int, num_kv_heads: int | None 
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, config: ModelConfig | None = None) -> str | None:
+    """The HF name of GGUF tensor `name`; for an MoE layer's stacked experts a template with "{e}" (one tensor per
+    expert, moe_families.gguf_moe_name)."""
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".")
+    if config is not None and config.num_experts and parts[0] == "blk" and parts[1].isdigit() \
+            and parts[-1] == "weight" and len(parts) in (4, 5):
+        expert = int(parts[3]) if len(parts) == 5 and parts[3].isdigit() else None
+        moe_name = gguf_moe_name(config, int(parts[1]), parts[2], expert)
+        if moe_name is not None:
+            return moe_name
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
         module = _GGUF_BLOCK_NAMES.get(parts[2])
         if module is not None:
@@ -312,8 +333,8 @@ def _load_gguf(
     reader = GGUFReader(path)
     wanted = []
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
-        if hf_name is None or hf_name not in expected:
+        hf_name = _gguf_to_hf_name(tensor.name, config)
+        if hf_name is None or hf_name.format(e=0) not in expected:
             continue
         if tensor.tensor_type not in supported:  # check everything before spending time dequantizing
             type_name = getattr(tensor.tensor_type, "name", str(int(tensor.tensor_type)))
@@ -323,7 +344,8 @@ def _load_gguf(
             )
         wanted.append((hf_name, tensor))
 
-    permute = config.architecture == "llama"  # llama.cpp permutes llama's q/k rows; qwen2 is stored as is
+    # llama.cpp permutes llama's (and so Mixtral's) q/k rows; qwen2 and qwen3moe are stored as is
+    permute = config.architecture in ("llama", "mixtral")
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in wanted:
         weights = dequantize(tensor.data, tensor.tensor_type)  # float32, HF order (GGUF shape reversed)
@@ -334,7 +356,11 @@ def _load_gguf(
             weights = _reverse_permute(weights, config.num_attention_heads, config.num_key_value_heads)
         if not weights.flags.writeable or not weights.flags.c_contiguous:
             weights = np.array(weights)  # F32 tensors are views of the read-only memory map
-        out[hf_name] = torch.from_numpy(weights).to(dtype)
+        if "{e}" in hf_name:  # an MoE layer's experts stacked [E, ...]: one HF tensor each
+            stacked = torch.from_numpy(weights).to(dtype)
+            out.update((hf_name.format(e=e), stacked[e]) for e in range(stacked.shape[0]))
+        else:
+            out[hf_name] = torch.from_numpy(weights).to(dtype)
         if progress is not None:
             progress(len(out), len(wanted))
     del reader

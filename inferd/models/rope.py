@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain RoPE, linear scaling and Llama 3 scaling, computed as transformers does."""
+"""Rotary position embeddings: plain RoPE, linear, Llama 3 and YaRN scaling, computed as transformers does."""
 
 from __future__ import annotations
 
@@ -34,7 +34,61 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(config, dim)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn)")
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    factor = scaling.get("factor")
+    if factor is None:
+        return config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    return factor
+
+
+def _yarn_inv_freq(config: ModelConfig, dim: int) -> torch.Tensor:
+    """YaRN (gpt-oss): each frequency between the extrapolated (unscaled) and the interpolated (divided by factor)
+    one by a linear ramp over the dims whose wavelengths fall between beta_fast and beta_slow rotations of the original
+    context; transformers' _compute_yarn_parameters, step for step (the same float32 bits)."""
+    scaling, base = config.rope_scaling, config.rope_theta
+    factor = _yarn_factor(config)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention scaling; 1.0 for the other kinds)."""
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config)
+
+    def mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -56,8 +110,12 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=device, dtype=self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(self.config)
+        if factor != 1.0:  # YaRN: transformers scales the tables (in float32, before the cast) the same way
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(device=device, dtype=self.dtype)
+        self.sin = sin.to(device=device, dtype=self.dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]
