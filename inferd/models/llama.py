@@ -16,7 +16,7 @@ from ..kernels import REFERENCE as reference_ops
 from .attention import Attention, AttentionMetadata
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
-from .moe_families import make_mlp, moe_prefix
+from .moe_families import expert_bytes_touched, make_mlp, moe_blocks, moe_prefix
 from .quantize import INT4_MAX_ROWS
 from .rope import RotaryEmbedding
 
@@ -183,3 +183,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and m.bias is not None:
                 tensors.append(m.bias)
         return total + sum(t.numel() * t.element_size() for t in tensors)
+
+    def expert_bytes_touched(self, rows: int = 1) -> int:
+        """Bytes of MoE expert weights the last forward read: per MoE block, each expert its tokens picked, once
+        (0 for a dense model). rows: the step's rows (an int4 expert reads its 4-bit or its dense copy by rows)."""
+        blocks = self.__dict__.get("_moe_blocks")
+        if blocks is None:
+            blocks = self.__dict__["_moe_blocks"] = moe_blocks(self)
+        return expert_bytes_touched(blocks, rows) if blocks else 0

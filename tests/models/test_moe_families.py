@@ -74,18 +74,32 @@ def _prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """built(name): the family's transformers model, saved, loaded by us from the folder, with its references;
+    each family built once in this module."""
+    cache = {}
+
+    def build(name: str) -> SimpleNamespace:
+        if name not in cache:
+            hf = FAMILIES[name]()
+            folder = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(folder)
+            cfg = load_model_config(folder)
+            state = load_state_dict(folder, cfg, torch.float32)
+            model = build_model(cfg, state, torch.float32)
+            prompts = _prompts(cfg.vocab_size)
+            refs = [hf_greedy(lambda: hf, p, n) for p, n in zip(prompts, MAX_NEW)]
+            cache[name] = SimpleNamespace(name=name, hf=hf, folder=folder, cfg=cfg, state=state, model=model,
+                                          prompts=prompts, refs=refs)
+        return cache[name]
+
+    return build
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    hf = FAMILIES[request.param]()
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder)
-    cfg = load_model_config(folder)
-    state = load_state_dict(folder, cfg, torch.float32)
-    model = build_model(cfg, state, torch.float32)
-    prompts = _prompts(cfg.vocab_size)
-    refs = [hf_greedy(lambda: hf, p, n) for p, n in zip(prompts, MAX_NEW)]
-    return SimpleNamespace(name=request.param, hf=hf, folder=folder, cfg=cfg, state=state, model=model,
-                           prompts=prompts, refs=refs)
+def family(request, built):
+    return built(request.param)
 
 
 def make_engine(cfg, model, blocks: int = 64, **kw) -> Engine:
@@ -215,10 +229,9 @@ def test_one_expert_takes_every_token(family):
 
 
 @pytest.mark.parametrize("mutation", ["qwen3-renormalised", "gpt-oss-clamp", "gpt-oss-no-sinks"])
-def test_a_wrong_model_fails_the_rule(family, mutation):
-    wanted = "qwen3_moe" if mutation.startswith("qwen3") else "gpt_oss"
-    if family.name != wanted:
-        return  # each mutation on its own family (module-scoped fixtures: no extra model is built)
+def test_a_wrong_model_fails_the_rule(built, mutation):
+    """The chunked comparison above, of our model built wrong: the rule must fail it."""
+    family = built("qwen3_moe" if mutation.startswith("qwen3") else "gpt_oss")
     change = {"qwen3-renormalised": dict(norm_topk_prob=True), "gpt-oss-clamp": dict(swiglu_limit=7.0),
               "gpt-oss-no-sinks": dict(attention_sinks=False)}[mutation]
     cfg = dataclasses.replace(family.cfg, **change)
@@ -296,11 +309,11 @@ def _write_gguf(path, cfg, state: dict[str, torch.Tensor]) -> None:
     w.close()
 
 
-def test_gguf_loads_the_same_model(family, tmp_path):
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_gguf_loads_the_same_model(built, name, tmp_path):
     """Mixtral (a llama.cpp "llama" with experts) and Qwen3-MoE (qwen3moe) written as GGUF (float32) load to the
     folder's config and, tensor for tensor, its weights."""
-    if family.name == "gpt_oss":
-        return  # not loaded from GGUF (docs/models.md)
+    family = built(name)
     path = tmp_path / f"{family.name}.gguf"
     _write_gguf(path, family.cfg, family.state)
     cfg = load_model_config(path)
@@ -316,3 +329,36 @@ def test_gguf_loads_the_same_model(family, tmp_path):
     assert set(state) == set(family.state)
     for name, value in family.state.items():
         assert torch.equal(state[name], value), name
+
+
+# ---- the roofline ------------------------------------------------------------------------------------------------
+
+
+def test_a_step_counts_only_the_experts_it_touched(built):
+    """The engine's bytes per step (telemetry/roofline.py) hold the dense weights and, per MoE layer, only the experts
+    the step's tokens picked: a prefill whose tokens reach all 8 experts of both layers reads 2 x 7 experts more than
+    the same prefill where one expert per layer takes every token (top-1 routing, router weights zero)."""
+    t = built("mixtral")
+    prompt = t.prompts[5]
+    one_cfg = dataclasses.replace(t.cfg, num_experts_per_tok=1)
+    state = dict(t.state)
+    for i in range(t.cfg.num_hidden_layers):
+        state[moe_prefix(t.cfg, i) + "gate.weight"] = torch.zeros_like(state[moe_prefix(t.cfg, i) + "gate.weight"])
+    steps = {}
+    for name, cfg, model in (("all", t.cfg, t.model), ("one", one_cfg, build_model(one_cfg, state, torch.float32))):
+        engine = make_engine(cfg, model, max_num_batched_tokens=64)
+        engine.add_request(prompt, greedy(1))
+        engine.step()
+        counts = [b.last_expert_counts for b in model.modules() if isinstance(b, SparseMoE)]
+        steps[name] = (engine.stats.last[3], engine.cost, [int((c > 0).sum()) for c in counts])
+    (all_bytes, cost, all_touched), (one_bytes, one_cost, one_touched) = steps["all"], steps["one"]
+    assert all_touched == [8, 8] and one_touched == [1, 1]
+    H, inter = t.cfg.hidden_size, t.cfg.moe_intermediate_size
+    expert = 3 * H * inter * 4  # gate, up, down in float32
+    dense, _ = cost.step([len(prompt)], [len(prompt)], 1)  # everything but the experts
+    assert one_cost.weight_bytes == cost.weight_bytes
+    assert all_bytes == dense + 2 * 8 * expert
+    assert one_bytes == dense + 2 * 1 * expert
+    # the FLOPs count the active parameters: top-k experts per token
+    active = [c.matmul_params for c in (cost, one_cost)]
+    assert active[0] - active[1] == 2 * 3 * H * inter
