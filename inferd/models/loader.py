@@ -245,6 +245,10 @@ def load_state_dict(
         raise FileNotFoundError(f"model path {path} does not exist")
 
     missing = [name for name in expected if name not in tensors]
+    if config.architecture == "gpt_oss" and any(name.endswith("experts.gate_up_proj") for name in missing):
+        raise ValueError(f"checkpoint {path} has no unquantized gpt-oss experts (experts.gate_up_proj): MXFP4 experts "
+                         "(*_blocks, *_scales, as openai/gpt-oss publishes them) are not supported; save the model "
+                         "dequantized (transformers: Mxfp4Config(dequantize=True)) first")
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:5])}{more}")

@@ -362,3 +362,12 @@ def test_a_step_counts_only_the_experts_it_touched(built):
     # the FLOPs count the active parameters: top-k experts per token
     active = [c.matmul_params for c in (cost, one_cost)]
     assert active[0] - active[1] == 2 * 3 * H * inter
+
+
+def test_batch_invariant_mode_refuses_a_mixture_of_experts(built):
+    """--batch-invariant fixes each matmul's row tiles; an expert's rows are however many tokens the batch sent it,
+    so an MoE model is refused with a clear error rather than run without the guarantee."""
+    t = built("mixtral")
+    with pytest.raises(ValueError, match="batch-invariant does not run mixture-of-experts"):
+        make_engine(t.cfg, t.model, batch_invariant=True)
+    make_engine(t.cfg, t.model)  # and the model still runs as before
