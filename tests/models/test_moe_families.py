@@ -374,3 +374,14 @@ def test_batch_invariant_mode_refuses_a_mixture_of_experts(built):
     with pytest.raises(ValueError, match="batch-invariant does not run mixture-of-experts"):
         make_engine(t.cfg, t.model, batch_invariant=True)
     make_engine(t.cfg, t.model)  # and the model still runs as before
+
+
+def test_tensor_parallel_refuses_a_mixture_of_experts(built):
+    """Tensor parallelism shards dense MLPs and q/k/v/o; experts, sinks and gpt-oss's o_proj bias it does not: an MoE
+    family is refused before any rank starts."""
+    from inferd.models.parallel import check_tensor_parallel
+
+    for name in ("mixtral", "gpt_oss"):
+        with pytest.raises(ValueError, match="does not run the"):
+            check_tensor_parallel(built(name).cfg, 2)
+        check_tensor_parallel(built(name).cfg, 1)
