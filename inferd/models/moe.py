@@ -1,11 +1,11 @@
 """The sparse mixture-of-experts block (Mixtral, Qwen3-MoE, gpt-oss): a decoder layer's MLP where a router picks
 top_k of num_experts gated MLPs per token and sums their outputs weighted by the routing weights.
 
-Compute is by expert, not by token: the step's (token, expert) pairs are sorted by expert, each active expert runs
-one gate/up matmul and one down matmul over all of its tokens (a GEMM, not top_k GEMVs per token), and the weighted
-results are scatter-added back to their tokens (index_add_). Experts no token picked cost nothing. Where the ops
-namespace has `fused_moe` (the Triton kernels, inferd/kernels/triton_moe.py) the two grouped GEMMs run as one launch
-each over the expert-sorted tokens instead of one matmul per expert.
+Compute is by expert, not by token: the step's (token, expert) pairs are sorted by expert, each active expert runs one
+gate/up matmul and one down matmul over all of its tokens (a GEMM, not top_k GEMVs per token), and the weighted
+results are put back in (token, slot) order and summed over each token's k slots. Experts no token picked cost
+nothing. Where the ops namespace has `fused_moe` (the Triton kernels, inferd/kernels/triton_moe.py) the two grouped
+GEMMs run as one launch each over the expert-sorted tokens instead of one matmul per expert.
 
 Weights, whatever the family stores: gate/up fused per expert as [E, 2I, H] (gate rows first, then up: Mixtral's and
 Qwen3-MoE's concatenated layout) and down as [E, H, I], both [out, in] like a Linear; optional biases [E, 2I], [E, H]
@@ -88,6 +88,14 @@ class MoESpec:
         raise ValueError(f"not an MoE family: model_type {family!r}")
 
 
+def hf_block_prefix(state: Mapping[str, torch.Tensor], layer_prefix: str) -> str:
+    """Where a decoder layer's MoE block sits in a transformers state dict: "<layer>.block_sparse_moe." in Mixtral
+    checkpoints (transformers 5 renames it to mlp when it loads them), "<layer>.mlp." otherwise. layer_prefix:
+    "model.layers.3." (with its dot)."""
+    legacy = layer_prefix + "block_sparse_moe."
+    return legacy if any(k.startswith(legacy) for k in state) else layer_prefix + "mlp."
+
+
 def gpt_oss_swiglu(gate_up: torch.Tensor, alpha: float = GPT_OSS_SWIGLU_ALPHA,
                    limit: float = GPT_OSS_SWIGLU_LIMIT) -> torch.Tensor:
     """gpt-oss's activation over [.., 2I] rows (gate half, then up half: our de-interleaved layout), as
@@ -115,7 +123,12 @@ def route(spec: MoESpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class DenseExperts(nn.Module):
-    """The experts' weights as stacked tensors: gate_up [E, 2I, H], down [E, H, I] (+ biases [E, 2I], [E, H])."""
+    """The experts' weights as stacked tensors: gate_up [E, 2I, H], down [E, H, I] (+ biases [E, 2I], [E, H]).
+
+    On CPU, pack() repacks each expert's two matrices into oneDNN's layout and frees the stacked ones, as
+    layers.Linear.pack does and for the same reason, sharper here: MKL's sgemm on this CPU (AMD EPYC) took 15-16 ms
+    for a [2..8 rows] x [1024, 768] float32 product that oneDNN does in well under 1 ms, and an expert's share of a
+    batch is exactly such a handful of rows."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool):
         super().__init__()
@@ -123,17 +136,56 @@ class DenseExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
         self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter), requires_grad=False) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False) if bias else None
+        # oneDNN-packed [gate_up, down] per expert (not parameters: state_dict can't hold them); None until pack()
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _mm(self, x: torch.Tensor, e: int, which: int, weight: torch.Tensor, bias: torch.Tensor | None):
+        b = None if bias is None else bias[e]
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed[e][which], b, "none", [], "")
+        return F.linear(x, weight[e], b)
 
     def gate_up_mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+        return self._mm(x, e, 0, self.gate_up, self.gate_up_bias)
 
     def down_mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.down[e], None if self.down_bias is None else self.down_bias[e])
+        return self._mm(x, e, 1, self.down, self.down_bias)
+
+    def float_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]), also after pack()."""
+        if self.packed is not None:
+            return self.packed[e][0].to_dense(), self.packed[e][1].to_dense()
+        return self.gate_up[e].detach(), self.down[e].detach()
+
+    @torch.no_grad()
+    def pack(self) -> bool:
+        """Repack for oneDNN on CPU, freeing the stacked weights; False (and no change) where not possible (another
+        device, a dtype oneDNN refuses). The fused Triton path needs the stacked weights: it runs on GPUs, where
+        nothing is packed."""
+        if self.packed is not None or self.gate_up.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            packed = [(torch.ops.mkldnn._reorder_linear_weight(self.gate_up[e]),
+                       torch.ops.mkldnn._reorder_linear_weight(self.down[e])) for e in range(self.gate_up.shape[0])]
+            probe = torch.ones(1, self.gate_up.shape[2], dtype=self.gate_up.dtype)
+            torch.ops.mkldnn._linear_pointwise(probe, packed[0][0], None, "none", [], "")
+        except RuntimeError:  # e.g. bf16 on a CPU without AVX-512
+            return False
+        self.packed = packed
+        empty = torch.empty(0, dtype=self.gate_up.dtype)
+        self.gate_up = nn.Parameter(empty, requires_grad=False)
+        self.down = nn.Parameter(empty.clone(), requires_grad=False)
+        return True
 
     def expert_bytes(self, e: int, rows: int = 1) -> int:
         """Bytes of expert e's weights (and biases) one matmul pair over it reads."""
-        ts = [self.gate_up[e], self.down[e]] + [b[e] for b in (self.gate_up_bias, self.down_bias) if b is not None]
+        ts = list(self.packed[e]) if self.packed is not None else [self.gate_up[e], self.down[e]]
+        ts += [b[e] for b in (self.gate_up_bias, self.down_bias) if b is not None]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _num_experts(dense: DenseExperts) -> int:
+    return len(dense.packed) if dense.packed is not None else dense.gate_up.shape[0]
 
 
 class QuantizedExperts(nn.Module):
@@ -147,12 +199,12 @@ class QuantizedExperts(nn.Module):
         cls = {"int8": Int8Linear, "int4": Int4Linear}[mode]
         self.mode = mode
         dtype = dense.gate_up.dtype
-        self.gate_up = nn.ModuleList(
-            cls.from_float(dense.gate_up[e], None if dense.gate_up_bias is None else dense.gate_up_bias[e], dtype)
-            for e in range(dense.gate_up.shape[0]))
-        self.down = nn.ModuleList(
-            cls.from_float(dense.down[e], None if dense.down_bias is None else dense.down_bias[e], dtype)
-            for e in range(dense.down.shape[0]))
+        self.gate_up, self.down = nn.ModuleList(), nn.ModuleList()
+        for e in range(_num_experts(dense)):
+            gate_up, down = dense.float_weights(e)
+            self.gate_up.append(cls.from_float(gate_up, None if dense.gate_up_bias is None else dense.gate_up_bias[e],
+                                               dtype))
+            self.down.append(cls.from_float(down, None if dense.down_bias is None else dense.down_bias[e], dtype))
 
     def gate_up_mm(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.gate_up[e](x)
@@ -224,6 +276,8 @@ class SparseMoE(nn.Module):
 
     def _copy_local(self, gate_up, down, gate_up_bias, down_bias) -> None:
         ex = self.experts
+        if ex.packed is not None:
+            raise ValueError("experts are packed for oneDNN: load before pack()")
         ex.gate_up.copy_(gate_up)
         ex.down.copy_(down)
         if ex.gate_up_bias is not None:
@@ -294,6 +348,13 @@ class SparseMoE(nn.Module):
         self.experts = QuantizedExperts(self.experts, mode)
         return 2 * self.num_local_experts
 
+    def pack(self) -> bool:
+        """The experts (DenseExperts.pack) and the router repacked for oneDNN on CPU; whether the experts were. A
+        model's pack_weights must call this: the experts are not Linears."""
+        if self.router.packed is None:  # a model's loop over its Linears may have packed it already
+            self.router.pack()
+        return isinstance(self.experts, DenseExperts) and self.experts.pack()
+
     # ---- compute ---------------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], ids [T, k]) over all E experts, from the router's logits of x [T, H]."""
@@ -308,7 +369,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         self.last_expert_counts = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         fused = getattr(ops, "fused_moe", None)
-        if fused is not None and isinstance(self.experts, DenseExperts):
+        if fused is not None and isinstance(self.experts, DenseExperts) and self.experts.packed is None:
             local = ids - self.expert_start
             local = torch.where((local >= 0) & (local < self.num_local_experts), local, self.num_local_experts)
             ex = self.experts
@@ -319,7 +380,7 @@ class SparseMoE(nn.Module):
     def forward_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                           ops=reference_ops) -> torch.Tensor:
         """The torch path: pairs sorted by expert, one gate/up and one down matmul per active local expert over its
-        rows, the activation once over all rows, the weighted rows added back to their tokens."""
+        rows, the activation once over all rows, the weighted rows summed back into their tokens."""
         k = self.spec.top_k
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # pair p = token * k + slot, grouped by expert
@@ -327,6 +388,8 @@ class SparseMoE(nn.Module):
         skip = sum(all_counts[:self.expert_start])  # pairs of experts before this block's range
         counts = all_counts[self.expert_start:self.expert_stop]
         n = sum(counts)
+        if n == 0:  # no token chose this block's experts (an expert-parallel shard)
+            return torch.zeros_like(x)
         pairs = order[skip:skip + n]
         tokens = pairs // k
         rows = x[tokens]
@@ -345,9 +408,11 @@ class SparseMoE(nn.Module):
             if c:
                 out_rows[starts[e]:starts[e] + c] = self.experts.down_mm(e, act[starts[e]:starts[e] + c])
         w = weights.flatten()[pairs]
-        out = torch.zeros_like(x)
-        out.index_add_(0, tokens, (out_rows * w[:, None]).to(x.dtype))
-        return out
+        # back in pair order, then each token's k slots summed: index_add_ into the token rows computes the same
+        # sums, but torch's CPU index_add_ took 15 ms for one token's 8 rows (qwen3 shape, bench/moe_step.py)
+        by_pair = x.new_zeros(flat.numel(), x.shape[1]) if n < flat.numel() else x.new_empty(n, x.shape[1])
+        by_pair[pairs] = (out_rows * w[:, None]).to(x.dtype)
+        return by_pair.view(x.shape[0], k, x.shape[1]).sum(dim=1)
 
     # ---- accounting ------------------------------------------------------------------------------------------------
     def weight_bytes_touched(self, expert_ids=None, rows: int = 1) -> int:

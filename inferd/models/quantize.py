@@ -330,6 +330,8 @@ def weight_bytes(model: nn.Module) -> int:
         packed = getattr(module, "packed", None)
         if isinstance(packed, torch.Tensor):
             tensors.append(packed)
+        elif isinstance(packed, list):  # moe.DenseExperts: (gate_up, down) per expert
+            tensors.extend(t for pair in packed for t in pair)
         for t in tensors:
             if id(t) in seen:
                 continue

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inferd.models.moe import MoESpec, SparseMoE
-from inferd.models.quantize import _float_weight, quantize_model
+from inferd.models.moe import MoESpec, SparseMoE, hf_block_prefix
+from inferd.models.quantize import _float_weight, quantize_model, weight_bytes
 from parity import FP32, scale_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,9 +93,14 @@ def pair(request):
 @torch.no_grad()
 def test_matches_transformers(pair):
     family, block, ours = pair
+    packed = SparseMoE(ours.spec)
+    packed.load_state_dict(ours.state_dict())
+    assert packed.pack() and packed.experts.packed is not None  # oneDNN's layout, as build_model leaves a CPU model
     for T in (1, 37):
         x = inputs(T)
-        assert_close(ours(x), hf_out(block, x), f"{family} T={T}")
+        ref = hf_out(block, x)
+        assert_close(ours(x), ref, f"{family} T={T}")
+        assert_close(packed(x), ref, f"{family} T={T}, packed")
     assert bool((ours.last_expert_counts > 0).all()), f"{family}: 37 tokens did not reach every expert"
 
 
@@ -114,6 +119,12 @@ def test_every_token_to_the_same_experts(pair):
         out = ours(x)
         assert ours.last_expert_counts.tolist() == [0, 0, 0, 37, 0, 37, 0, 0]
         assert_close(out, hf_out(block, x), f"{family} one expert pair")
+        # an expert-parallel shard holding experts no token chose adds nothing
+        shard = SparseMoE(ours.spec, (0, 2))
+        ex = ours.experts
+        shard.load_router(ours.router.weight, ours.router.bias)
+        shard.load_experts(ex.gate_up, ex.down, ex.gate_up_bias, ex.down_bias)
+        assert torch.equal(shard(x), torch.zeros_like(x))
     finally:
         router.weight.copy_(saved)
         ours.router.load(saved, getattr(router, "bias", None))
@@ -177,7 +188,8 @@ def test_loads_saved_checkpoint_names(family, tmp_path):
             p.normal_(0, 0.15)
     model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    prefix = "model.layers.0.block_sparse_moe." if family == "mixtral" else "model.layers.0.mlp."
+    prefix = hf_block_prefix(state, "model.layers.0.")
+    assert prefix == ("model.layers.0.block_sparse_moe." if family == "mixtral" else "model.layers.0.mlp.")
     assert prefix + "experts.0.down_proj.weight" in state or prefix + "experts.0.w2.weight" in state
     ours = SparseMoE(MoESpec.from_hf_config(cfg))
     used = ours.load_hf_state(state, prefix)
@@ -196,6 +208,7 @@ def test_quantized_experts_match_dequantized(mode, pair):
     family, _, ours = pair
     q = SparseMoE(ours.spec)
     q.load_state_dict(ours.state_dict())
+    q.pack()  # as build_model leaves it: quantize_model reads the packed weights back
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -235,3 +248,9 @@ def test_weight_bytes_touched_counts_each_expert_once(pair):
     with torch.no_grad():
         ours(inputs(1))
     assert ours.weight_bytes_touched() == router + TOP_K * per_expert  # one token: its k experts only
+    # the whole block as stored, also once packed for oneDNN (the stacked weights freed)
+    packed = SparseMoE(ours.spec)
+    packed.load_state_dict(ours.state_dict())
+    assert weight_bytes(packed) == router + EXPERTS * per_expert
+    packed.pack()
+    assert weight_bytes(packed) == router + EXPERTS * per_expert  # oneDNN's blocked layout: no padding here
