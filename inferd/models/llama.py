@@ -164,8 +164,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_proj.load(take(mlp + "down_proj.weight"))
 
     def pack_weights(self) -> int:
-        """Repack every Linear for the device's fastest kernel; returns how many were repacked."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        """Repack every Linear, and every MoE block's experts (not Linears), for the device's fastest kernel; returns
+        how many were repacked."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear)) + sum(b.pack() for b in moe_blocks(self))
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer and the head; the embedding table is only
