@@ -1,8 +1,8 @@
 """The mixture-of-experts families on our engine against transformers: tiny random Mixtral, Qwen3-MoE (a dense
 layer beside an MoE one, q/k norm, top-k weights not renormalised) and gpt-oss (attention sinks, q/k/v/o biases,
 alternating sliding (window 8) and full layers, YaRN RoPE, router and expert biases, clamped SwiGLU), each loaded from
-its save_pretrained folder, compared token for token and logit by logit by the exactness rule (tests/parity.py) under
-chunked prefill with prefix-cache hits and under preemption. The router's choices are compared with transformers'
+its save_pretrained folder, compared token for token and logit by logit by the exactness rule (tests/parity.py) in a
+run with chunked prefill, preemption and a prefix-cache hit. The router's choices are compared with transformers'
 (every expert reached; one expert taking every token). Mutations prove the comparison can fail: Qwen3-MoE
 renormalising where norm_topk_prob is false, gpt-oss clamping at the wrong limit, gpt-oss without its sinks. GGUF
 files (qwen3moe; Mixtral as llama.cpp writes it: a "llama" with expert tensors) load to the same weights."""
@@ -117,26 +117,21 @@ def check_all(t, reqs) -> None:
         assert_greedy_parity(req.output_token_ids, req.debug_logits, ref, f"{t.name} prompt {i}")
 
 
-SCENARIOS = {
-    # chunks of at most 16 tokens beside decodes; the last prompt arrives after the shared blocks are cached
-    "chunked-prefix": (dict(max_num_batched_tokens=16, max_num_seqs=8), 64, 4),
-    # 6 blocks of 16 for sequences of up to 54 tokens: requests are preempted and recomputed
-    "preemption": (dict(max_num_batched_tokens=32, max_num_seqs=8), 6, 1),
-}
+# chunks of at most 16 tokens beside decodes, prompts arriving every 4 steps, in 6 KV blocks of 16 for sequences of up
+# to 54 tokens: requests are preempted and recomputed, and the last prompt finds a block of the shared prefix cached
+SCENARIO = dict(max_num_batched_tokens=16, max_num_seqs=8)
+BLOCKS, EVERY = 6, 4
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_parity(family, scenario):
-    kw, blocks, every = SCENARIOS[scenario]
-    engine = make_engine(family.cfg, family.model, blocks, **kw)
-    reqs, trace = run_staggered(engine, family.prompts, [greedy(n) for n in MAX_NEW], every=every)
+def test_greedy_parity(family):
+    engine = make_engine(family.cfg, family.model, BLOCKS, **SCENARIO)
+    reqs, trace = run_staggered(engine, family.prompts, [greedy(n) for n in MAX_NEW], every=EVERY)
     check_all(family, reqs)
     engine.kv_cache.check_no_leaks()
     assert any(d > 0 and p > 0 for d, p, _ in trace), trace  # decodes beside prefill chunks
-    if scenario == "preemption":
-        assert engine.scheduler.num_preemptions > 0
-    else:
-        assert reqs[5].num_cached_tokens == SHARED_PREFIX
+    assert engine.scheduler.num_preemptions > 0
+    assert reqs[5].num_cached_tokens >= 16  # a prefix-cache hit
+    assert max(PROMPT_LENS) > SCENARIO["max_num_batched_tokens"]  # chunked
 
 
 def test_the_layers_are_what_the_family_has(family):
@@ -237,10 +232,9 @@ def test_a_wrong_model_fails_the_rule(built, mutation):
               "gpt-oss-no-sinks": dict(attention_sinks=False)}[mutation]
     cfg = dataclasses.replace(family.cfg, **change)
     wrong = build_model(cfg, family.state, torch.float32)
-    kw, blocks, every = SCENARIOS["chunked-prefix"]
     # two prompts are enough: each mutation moves the first compared position's logits
-    reqs, _ = run_staggered(make_engine(cfg, wrong, blocks, **kw), family.prompts[3:5],
-                            [greedy(n) for n in MAX_NEW[3:5]], every)
+    reqs, _ = run_staggered(make_engine(cfg, wrong, 64, **SCENARIO), family.prompts[3:5],
+                            [greedy(n) for n in MAX_NEW[3:5]], EVERY)
     with pytest.raises(AssertionError, match="beyond the float32 bound"):
         for i, (req, ref) in enumerate(zip(reqs, family.refs[3:5])):
             assert_greedy_parity(req.output_token_ids, req.debug_logits, ref, f"{family.name} prompt {i + 3}")
