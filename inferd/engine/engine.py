@@ -155,6 +155,8 @@ class Engine:
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
                                config.tensor_parallel)
+        self._expert_bytes = (getattr(model, "expert_bytes_touched", None) if getattr(model_config, "num_experts", 0)
+                              else None)
         self.requests: dict[str, Request] = {}
         self._text: dict = {}  # request id -> TextWithStops
         self._arrivals = itertools.count()
@@ -406,7 +408,9 @@ class Engine:
         stats.num_tokens += sched.num_tokens
         queries = [s.num_tokens for s in sched.scheduled]
         contexts = [s.request.num_computed_tokens + s.num_tokens for s in sched.scheduled]
-        step_bytes, step_flops = self.cost.step(queries, contexts, out.num_rows)
+        # an MoE model's experts: only those the step's tokens picked were read (its blocks counted them)
+        experts = self._expert_bytes(sched.num_tokens) if self._expert_bytes is not None else 0
+        step_bytes, step_flops = self.cost.step(queries, contexts, out.num_rows, experts)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
         outputs = []

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         self.kv_size = self.n_kv * self.head_dim
         h, qkv = config.hidden_size, self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(h, qkv, config.attention_bias)
-        self.o_proj = Linear(self.q_size, h, False)
+        self.o_proj = Linear(self.q_size, h, config.attention_output_bias)  # gpt-oss: with a bias
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = config.layer_window(layer)
         self.softcap = float(config.attn_logit_softcapping or 0.0)

@@ -122,7 +122,10 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def enable(model: torch.nn.Module, on: bool = True) -> None:
-    """Switches a model's Linear layers to fixed row tiles (on) or back to one call per step (off)."""
+    """Switches a model's Linear layers to fixed row tiles (on) or back to one call per step (off). A mixture of
+    experts is refused: its experts' matmuls are over however many rows picked each expert, which the batch decides."""
+    if on and any(hasattr(m, "quantize_experts") for m in model.modules()):  # models/moe.py's SparseMoE
+        raise ValueError("--batch-invariant does not run mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss)")
     for module in model.modules():
         if isinstance(module, Linear):
             module.tile_rows = TILE_ROWS if on else None

@@ -6,9 +6,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
-# general.architecture values we load from GGUF
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3", "mixtral",
+                           "qwen3_moe", "gpt_oss")
+# general.architecture values we load from GGUF (a "llama" with experts is Mixtral; "qwen3moe" is Qwen3-MoE)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss")  # a decoder layer's MLP is models/moe.py's SparseMoE
 _MISSING = object()
 
 
@@ -44,6 +46,22 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale query_pre_attn_scalar ** -0.5
     partial_rotary_factor: float = 1.0  # Phi: RoPE on the first head_dim * factor dims of each head
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
+    attention_output_bias: bool = False  # gpt-oss: o_proj has a bias too (its attention_bias covers q/k/v/o)
+    # mixture of experts (MOE_ARCHITECTURES; models/moe.py): the MLP of an MoE layer routes each token to
+    # num_experts_per_tok of num_experts gated MLPs of moe_intermediate_size
+    num_experts: int = 0  # HF num_local_experts (Mixtral, gpt-oss) or num_experts (Qwen3-MoE); 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's (Qwen3-MoE's moe_intermediate_size; else intermediate_size)
+    norm_topk_prob: bool = True  # Qwen3-MoE: the top-k weights renormalised to sum 1 (Mixtral always does)
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is MoE where (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not one of these
+    swiglu_alpha: float | None = None  # gpt-oss: the experts' clamped SwiGLU (moe.gpt_oss_swiglu)
+    swiglu_limit: float | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else the dense gated MLP of intermediate_size)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of layer `layer` (0: it attends to its whole context)."""
@@ -96,7 +114,7 @@ class ModelConfig:
             rope_theta = 1_000_000.0 if rope_theta is None else rope_theta  # Gemma3TextConfig's defaults
             rope_local_theta = 10_000.0 if rope_local_theta is None else rope_local_theta
         sliding_window, layer_types = _sliding_layers(model_type, d)
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -111,7 +129,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gemma2", "gemma3"))),
             # Phi-3's fused projection has no bias whatever the config says
-            attention_bias=model_type != "phi3" and bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=model_type != "phi3" and bool(d.get("attention_bias", model_type in ("qwen2", "gpt_oss"))),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding_window,
@@ -127,6 +145,8 @@ class ModelConfig:
             partial_rotary_factor=float(partial_rotary_factor or 1.0),
             rope_local_theta=float(rope_local_theta) if model_type == "gemma3" else None,
         )
+        fields.update(_family_fields(model_type, d))  # the MoE families' own (their windows and norms included)
+        return cls(**fields)
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
@@ -214,8 +234,22 @@ class ModelConfig:
                 orig = fields.get(f"{arch}.rope.scaling.original_context_length")
                 rope_scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
                                 "attention_factor": float(fields.get(f"{arch}.rope.scaling.attn_factor", 1.0))}
+        moe: dict[str, Any] = {}
+        experts = int(scalar("expert_count", 0) or 0)
+        if experts:  # llama.cpp's Mixtral is a "llama" with experts; a layer without a router is dense
+            layers = int(scalar("block_count"))
+            moe = dict(num_experts=experts, num_experts_per_tok=int(scalar("expert_used_count")),
+                       moe_intermediate_size=int(scalar("expert_feed_forward_length", 0)
+                                                 or scalar("feed_forward_length")),
+                       mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names])
+        if arch == "qwen3moe":  # llama.cpp's qwen3moe always renormalises the top-k weights (as transformers reads it)
+            moe.update(norm_topk_prob=True, qk_norm="blk.0.attn_q_norm.weight" in names)
+        architecture = {"qwen3moe": "qwen3_moe"}.get(str(arch), str(arch))
+        if architecture == "llama" and experts:
+            architecture = "mixtral"
         return cls(
-            architecture=str(arch),
+            **moe,
+            architecture=architecture,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(scalar("feed_forward_length")),
@@ -260,3 +294,30 @@ def _sliding_layers(model_type: str, d: dict[str, Any]) -> tuple[int | None, lis
     if not window:
         return None, None
     return int(window), (list(layer_types) if layer_types is not None else None)
+
+
+def _family_fields(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields only some families have, from their HF config dict."""
+    if model_type not in MOE_ARCHITECTURES:
+        return {}
+    out: dict[str, Any] = dict(
+        num_experts=int(d.get("num_local_experts") or d.get("num_experts") or 0),
+        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+    )
+    if model_type == "mixtral":  # every layer's window, where it has one
+        out.update(sliding_window=d.get("sliding_window"))
+    elif model_type == "qwen3_moe":
+        out.update(norm_topk_prob=bool(d.get("norm_topk_prob", False)), qk_norm=True,
+                   decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=[int(i) for i in d.get("mlp_only_layers") or []],
+                   sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None)
+    elif model_type == "gpt_oss":
+        layers = d["num_hidden_layers"]
+        out.update(sliding_window=d.get("sliding_window", 128), attention_sinks=True,
+                   attention_output_bias=bool(d.get("attention_bias", True)),
+                   # transformers' default: even layers slide, odd ones attend to everything
+                   layer_types=d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                        for i in range(layers)],
+                   swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
+    return out

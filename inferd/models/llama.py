@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/4) in plain PyTorch over a paged KV
-cache. Gemma 3 changes the layer (gemma.py).
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/4; with an MoE block for Mixtral,
+Qwen3-MoE and gpt-oss: moe_families.py) in plain PyTorch over a paged KV cache. Gemma 2/3 change the layer (gemma.py).
 
 Rows of a step are flattened: [T, hidden], decodes first, then prefill chunks. Projections that read the same input
 are fused (q/k/v into one matmul, gate/up into one): fewer, larger matmuls are what a CPU (and a GPU) does best.
@@ -15,7 +15,8 @@ from torch import nn
 from ..kernels import REFERENCE as reference_ops
 from .attention import Attention, AttentionMetadata
 from .config import ModelConfig
-from .layers import MLP, Linear, RMSNorm
+from .layers import Linear, RMSNorm
+from .moe_families import expert_bytes_touched, make_mlp, moe_blocks, moe_prefix
 from .quantize import INT4_MAX_ROWS
 from .rope import RotaryEmbedding
 
@@ -26,7 +27,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer)  # the gated MLP, or an MoE block (moe.py) on an MoE family's MoE layers
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache, ops, rotary):
         """x: the previous layer's output (None for the first layer), added to residual (in place) before the norm;
@@ -87,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         """decode_layers' lists for a step of `rows` rows (norm weights, then per layer four (kind, weight, aux,
         bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
         has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
-        different norm epsilons, attention options)."""
+        different norm epsilons, attention options, an MoE block: it has no gate_up_proj)."""
         key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
         cache = self.__dict__.setdefault("_decode_stacks", {})
         if key in cache:
@@ -159,10 +160,16 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.qkv_proj.load(
                     torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0),
                     torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None)
-            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"))
-            if cfg.qk_norm:  # Qwen3, Gemma 3
+            layer.self_attn.o_proj.load(take(attn + "o_proj.weight"),
+                                        take(attn + "o_proj.bias") if cfg.attention_output_bias else None)
+            if cfg.qk_norm:  # Qwen3, Qwen3-MoE, Gemma 3
                 put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
                 put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
+            if cfg.attention_sinks:
+                put(dst + "self_attn.sinks", take(attn + "sinks"))
+            if cfg.is_moe_layer(i):  # router and experts, as the family's checkpoint names them (moe_families.py)
+                layer.mlp.load_hf_state(state, moe_prefix(cfg, i))
+                continue
             mlp = src + "mlp."
             if mlp + "gate_up_proj.weight" in state:  # Phi-3: fused, gate then up
                 layer.mlp.gate_up_proj.load(take(mlp + "gate_up_proj.weight"))
@@ -172,15 +179,19 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_proj.load(take(mlp + "down_proj.weight"))
 
     def pack_weights(self) -> int:
-        """Repack every Linear for the device's fastest kernel; returns how many were repacked."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+        """Repack every Linear, and every MoE block's experts (not Linears), for the device's fastest kernel; returns
+        how many were repacked."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear)) + sum(b.pack() for b in moe_blocks(self))
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer and the head; the embedding table is only
-        looked up a row per token."""
+        looked up a row per token. An MoE block's experts are not in it: a step reads only those its tokens picked
+        (moe_families.expert_bytes_touched); its router is."""
         tensors = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
         total = 0
-        for m in self.modules():
+        for name, m in self.named_modules():
+            if ".experts" in name:
+                continue
             if isinstance(m, Linear) and hasattr(m, "step_bytes"):  # int4: the 4-bit codes a decode step reads
                 total += m.step_bytes(1)
             elif isinstance(m, Linear):
@@ -188,3 +199,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and m.bias is not None:
                 tensors.append(m.bias)
         return total + sum(t.numel() * t.element_size() for t in tensors)
+
+    def expert_bytes_touched(self, rows: int = 1) -> int:
+        """Bytes of MoE expert weights the last forward read: per MoE block, each expert its tokens picked, once
+        (0 for a dense model). rows: the step's rows (an int4 expert reads its 4-bit or its dense copy by rows)."""
+        blocks = self.__dict__.get("_moe_blocks")
+        if blocks is None:
+            blocks = self.__dict__["_moe_blocks"] = moe_blocks(self)
+        return expert_bytes_touched(blocks, rows) if blocks else 0

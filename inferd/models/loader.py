@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .config import ModelConfig
+from .moe_families import gguf_moe_name, moe_weight_shapes
 
 if TYPE_CHECKING:  # torch is imported where weights are loaded, not by reading a config
     import torch
@@ -48,6 +49,8 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 # the names some families' blocks add, or name differently (as llama.cpp's gguf-py MODEL_TENSORS has them)
 _GGUF_FAMILY_BLOCK_NAMES = {
@@ -230,12 +233,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if config.architecture == "phi3":
+        if config.attention_output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
+        if config.is_moe_layer(i):  # router and experts (moe_families.py)
+            shapes.update(moe_weight_shapes(config, i))
+        elif config.architecture == "phi3":
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
             shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+            shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if config.architecture in ("gemma2", "gemma3"):
@@ -268,6 +278,10 @@ def load_state_dict(
         raise FileNotFoundError(f"model path {path} does not exist")
 
     missing = [name for name in expected if name not in tensors]
+    if config.architecture == "gpt_oss" and any(name.endswith("experts.gate_up_proj") for name in missing):
+        raise ValueError(f"checkpoint {path} has no unquantized gpt-oss experts (experts.gate_up_proj): MXFP4 experts "
+                         "(*_blocks, *_scales, as openai/gpt-oss publishes them) are not supported; save the model "
+                         "dequantized (transformers: Mxfp4Config(dequantize=True)) first")
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(missing[:5])}{more}")
@@ -328,10 +342,18 @@ def _reverse_permute(weights: np.ndarray, n_head: int, num_kv_heads: int | None 
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str | None = None, config: ModelConfig | None = None) -> str | None:
+    """The HF name of GGUF tensor `name` (`arch`: the family, whose blocks may name tensors their own way); for an MoE
+    layer's stacked experts a template with "{e}" (one tensor per expert, moe_families.gguf_moe_name)."""
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".")
+    if config is not None and config.num_experts and parts[0] == "blk" and parts[1].isdigit() \
+            and parts[-1] == "weight" and len(parts) in (4, 5):
+        expert = int(parts[3]) if len(parts) == 5 and parts[3].isdigit() else None
+        moe_name = gguf_moe_name(config, int(parts[1]), parts[2], expert)
+        if moe_name is not None:
+            return moe_name
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
         module = _GGUF_FAMILY_BLOCK_NAMES.get(arch, {}).get(parts[2]) or _GGUF_BLOCK_NAMES.get(parts[2])
         if module is not None:
@@ -351,8 +373,8 @@ def _load_gguf(
     reader = GGUFReader(path)
     wanted = []
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name, config.architecture)
-        if hf_name is None or hf_name not in expected:
+        hf_name = _gguf_to_hf_name(tensor.name, config.architecture, config)
+        if hf_name is None or hf_name.format(e=0) not in expected:
             continue
         if tensor.tensor_type not in supported:  # check everything before spending time dequantizing
             type_name = getattr(tensor.tensor_type, "name", str(int(tensor.tensor_type)))
@@ -362,7 +384,8 @@ def _load_gguf(
             )
         wanted.append((hf_name, tensor))
 
-    permute = config.architecture == "llama"  # llama.cpp permutes llama's q/k rows; qwen2 is stored as is
+    # llama.cpp permutes llama's (and so Mixtral's) q/k rows; qwen2 and qwen3moe are stored as is
+    permute = config.architecture in ("llama", "mixtral")
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in wanted:
         weights = dequantize(tensor.data, tensor.tensor_type)  # float32, HF order (GGUF shape reversed)
@@ -375,7 +398,11 @@ def _load_gguf(
             weights = weights - 1  # llama.cpp stores Gemma's norms as 1 + w (transformers' Gemma2TensorProcessor)
         if not weights.flags.writeable or not weights.flags.c_contiguous:
             weights = np.array(weights)  # F32 tensors are views of the read-only memory map
-        out[hf_name] = torch.from_numpy(weights).to(dtype)
+        if "{e}" in hf_name:  # an MoE layer's experts stacked [E, ...]: one HF tensor each
+            stacked = torch.from_numpy(weights).to(dtype)
+            out.update((hf_name.format(e=e), stacked[e]) for e in range(stacked.shape[0]))
+        else:
+            out[hf_name] = torch.from_numpy(weights).to(dtype)
         if progress is not None:
             progress(len(out), len(wanted))
     del reader

@@ -36,6 +36,10 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     """ValueError unless tp splits the model's heads, KV heads and MLP evenly."""
     if tp < 1:
         raise ValueError(f"tensor_parallel must be at least 1, got {tp}")
+    if tp > 1 and (config.num_experts or config.attention_sinks or config.attention_output_bias):
+        # shard_state_dict splits dense MLPs and q/k/v/o only: experts, sinks and an o_proj bias are not sharded
+        raise ValueError(f"tensor_parallel={tp} does not run the {config.architecture} architecture (mixture-of-"
+                         "experts models run on one device)")
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
     bad = [f"{name}={value}" for name, value in sizes.items() if value % tp]

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain RoPE, linear scaling, Llama 3 scaling and Phi-3's longrope, computed as
+"""Rotary position embeddings: plain RoPE, linear, Llama 3, Phi-3's longrope and YaRN scaling, computed as
 transformers does."""
 
 from __future__ import annotations
@@ -55,7 +55,61 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn_inv_freq(config, dim)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope, yarn)")
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    factor = scaling.get("factor")
+    if factor is None:
+        return config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    return factor
+
+
+def _yarn_inv_freq(config: ModelConfig, dim: int) -> torch.Tensor:
+    """YaRN (gpt-oss): each frequency between the extrapolated (unscaled) and the interpolated (divided by factor)
+    one by a linear ramp over the dims whose wavelengths fall between beta_fast and beta_slow rotations of the original
+    context; transformers' _compute_yarn_parameters, step for step (the same float32 bits)."""
+    scaling, base = config.rope_scaling, config.rope_theta
+    factor = _yarn_factor(config)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention scaling; 1.0 for the other kinds)."""
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config)
+
+    def mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -75,7 +129,7 @@ class RotaryEmbedding(torch.nn.Module):
             return
         positions = torch.arange(self.max_positions, dtype=torch.float)
         freqs = positions[:, None] * rope_inv_freq(self.config)[None, :]
-        scale = 1.0
+        scale = rope_attention_factor(self.config)  # YaRN's (1.0 for the others but longrope, below)
         if _kind(self.config) == "longrope":
             # transformers switches a whole forward to the long factors once it reaches past the original context
             # (and Phi3ForCausalLM recomputes the cache then); a paged cache keeps what it computed, so here a

@@ -4,9 +4,12 @@
 Per step:
 - bytes read = every weight once, as stored (the matmul weights and the lm_head; an int8 weight counts 1 byte, its
   scales their own; the embedding table only for the rows looked up), plus the KV cache each scheduled sequence
-  attends over (its whole context, every layer, K and V), plus the KV it writes;
-- FLOPs = 2 x matmul parameters x tokens run (the lm_head only for the rows sampled) + attention: 4 x layers x query
-  heads x head_dim x (query tokens x context attended), for QK^T and the weighted sum of V.
+  attends over (its whole context, every layer, K and V), plus the KV it writes; of a mixture-of-experts layer
+  (Mixtral, Qwen3-MoE, gpt-oss) the router and only the experts the step's tokens picked, each once (the model's
+  expert_bytes_touched after the step);
+- FLOPs = 2 x matmul parameters x tokens run (the lm_head only for the rows sampled; of an MoE layer the active ones:
+  the router and top-k experts) + attention: 4 x layers x query heads x head_dim x (query tokens x context
+  attended), for QK^T and the weighted sum of V.
 Model-bandwidth utilisation (MBU) = bytes / time / peak bandwidth; model-FLOP utilisation (MFU) = FLOPs / time /
 peak FLOP/s. A step whose arithmetic intensity (FLOPs per byte) is under the ridge point (peak FLOP/s / peak
 bandwidth) is bound by memory, over it by compute.
@@ -53,22 +56,23 @@ CALIBRATION_MAX_OTHER_LOAD = 0.25
 @dataclass(frozen=True)
 class ModelCost:
     """A model's per-token costs, from its config and its weights as stored."""
-    weight_bytes: int  # read once per step: matmul weights, lm_head, norms (not the embedding table)
+    weight_bytes: int  # read once per step: matmul weights, lm_head, norms (not the embedding table nor MoE experts)
     matmul_params: int  # per token through the decoder layers
     lm_head_params: int  # per sampled row
     embedding_row_bytes: int  # one embedding row
     kv_bytes_per_token: int  # K and V of one token, every layer (this process's share under tensor parallelism)
     attention_flops_per_pair: int  # FLOPs per (query token, attended token) pair, every layer
 
-    def step(self, query_tokens: list[int], contexts: list[int], sampled: int) -> tuple[int, int]:
+    def step(self, query_tokens: list[int], contexts: list[int], sampled: int, expert_bytes: int = 0
+             ) -> tuple[int, int]:
         """(bytes read, FLOPs) of one step: sequence i runs query_tokens[i] tokens and attends over contexts[i]
-        (its context after the step)."""
+        (its context after the step); expert_bytes: the MoE experts the step touched (weight_bytes has none)."""
         tokens = sum(query_tokens)
         pairs = sum(q * c - q * (q - 1) // 2 for q, c in zip(query_tokens, contexts))  # causal within the chunk
         flops = 2 * self.matmul_params * tokens + 2 * self.lm_head_params * sampled + self.attention_flops_per_pair \
             * pairs
         kv_read = self.kv_bytes_per_token * sum(contexts)
-        return self.weight_bytes + self.embedding_row_bytes * tokens + kv_read, flops
+        return self.weight_bytes + expert_bytes + self.embedding_row_bytes * tokens + kv_read, flops
 
 
 def model_cost(config, weight_bytes: int, kv_dtype: torch.dtype, embedding_bytes_per_value: int,
@@ -79,9 +83,15 @@ def model_cost(config, weight_bytes: int, kv_dtype: torch.dtype, embedding_bytes
     h, hd, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
     heads, kv_heads = config.num_attention_heads // tp, max(1, config.num_key_value_heads // tp)
     inter = config.intermediate_size // tp
-    per_layer = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h + 3 * h * inter
+    attention = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h
+    # an MoE layer's active parameters per token: its router and top-k experts (a ModelConfig without MoE fields:
+    # every layer dense)
+    is_moe = getattr(config, "is_moe_layer", lambda layer: False)
+    moe = config.num_experts * h + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size \
+        if getattr(config, "num_experts", 0) else 0
+    matmul_params = sum(attention + (moe if is_moe(i) else 3 * h * inter) for i in range(layers))
     elt = torch.finfo(kv_dtype).bits // 8
-    return ModelCost(weight_bytes=weight_bytes, matmul_params=layers * per_layer,
+    return ModelCost(weight_bytes=weight_bytes, matmul_params=matmul_params,
                      lm_head_params=h * config.vocab_size, embedding_row_bytes=h * embedding_bytes_per_value,
                      kv_bytes_per_token=2 * layers * kv_heads * hd * elt,
                      attention_flops_per_pair=4 * layers * heads * hd)

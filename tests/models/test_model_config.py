@@ -15,12 +15,13 @@ import torch
 
 from inferd.models.config import ModelConfig
 from inferd.models.loader import load_model_config
-from inferd.models.rope import longrope_attention_factor, rope_inv_freq
+from inferd.models.rope import longrope_attention_factor, rope_attention_factor, rope_inv_freq
 from parity import COMMITTED_REFS
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-              "phi3": "Phi3ForCausalLM"}
+              "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "gpt_oss": "GptOssForCausalLM"}
 
 
 def _eos(value) -> list[int]:
@@ -53,7 +54,28 @@ def _hf_attention_scaling(hf) -> float:
 
 
 def _attention_scaling(c: ModelConfig) -> float:
-    return longrope_attention_factor(c) if (c.rope_scaling or {}).get("rope_type") == "longrope" else 1.0
+    """What our tables are multiplied by: longrope's factor, YaRN's (rope_attention_factor), else 1."""
+    if (c.rope_scaling or {}).get("rope_type") == "longrope":
+        return longrope_attention_factor(c)
+    return rope_attention_factor(c)
+
+
+def _router(layer):
+    """A transformers decoder layer's MoE router (Mixtral's and Qwen3-MoE's mlp.gate, gpt-oss's mlp.router), or None
+    where its MLP is dense."""
+    router = getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None)
+    return router if hasattr(router, "top_k") else None
+
+
+def _moe_layers(hf) -> list:
+    return [(i, layer, _router(layer)) for i, layer in enumerate(hf.model.layers) if _router(layer) is not None]
+
+
+def _inter(experts) -> int:
+    """One expert's intermediate size: down_proj is [E, H, I] (Mixtral, Qwen3-MoE) or [E, I, H] (gpt-oss, whose
+    gate_up is [E, H, 2I]); gate_up's 2I dim tells which."""
+    gu, down = experts.gate_up_proj.shape, experts.down_proj.shape
+    return gu[2] // 2 if gu[1] == down[2] else gu[1] // 2
 
 
 # ModelConfig field -> (ours, the transformers model) -> None, or raises AssertionError
@@ -62,7 +84,7 @@ CHECKS = {
     "vocab_size": lambda c, hf: hf.model.embed_tokens.num_embeddings == hf.lm_head.out_features == c.vocab_size,
     "hidden_size": lambda c, hf: hf.model.embed_tokens.embedding_dim == c.hidden_size,
     "intermediate_size": lambda c, hf: all(layer.mlp.down_proj.in_features == c.intermediate_size
-                                           for layer in hf.model.layers),
+                                           for layer in hf.model.layers if _router(layer) is None),
     "num_hidden_layers": lambda c, hf: len(hf.model.layers) == c.num_hidden_layers,
     "num_attention_heads": lambda c, hf: all(layer.self_attn.o_proj.in_features == c.num_attention_heads * c.head_dim
                                              for layer in hf.model.layers),
@@ -80,8 +102,9 @@ CHECKS = {
     "tie_word_embeddings": lambda c, hf: (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr())
     == c.tie_word_embeddings,
     "attention_bias": lambda c, hf: all(all((p.bias is not None) == c.attention_bias
-                                            for p in _projections(layer.self_attn))
-                                        and layer.self_attn.o_proj.bias is None for layer in hf.model.layers),
+                                            for p in _projections(layer.self_attn)) for layer in hf.model.layers),
+    "attention_output_bias": lambda c, hf: all((layer.self_attn.o_proj.bias is not None) == c.attention_output_bias
+                                               for layer in hf.model.layers),
     "bos_token_id": lambda c, hf: hf.config.bos_token_id == c.bos_token_id,
     "eos_token_ids": lambda c, hf: _eos(hf.config.eos_token_id) == c.eos_token_ids,
     # the attention options: what each transformers attention layer holds
@@ -103,6 +126,23 @@ CHECKS = {
     "rope_local_theta": lambda c, hf: torch.equal(rope_inv_freq(dataclasses.replace(
         c, rope_theta=c.rope_local_theta, rope_scaling=None)), _inv_freq(hf, "sliding_attention").float())
     if c.rope_local_theta is not None else _inv_freq(hf, "sliding_attention") is None,
+    # mixture of experts: which layers route (decoder_sparse_step, mlp_only_layers), and each router and its experts
+    "num_experts": lambda c, hf: all(r.weight.shape[0] == c.num_experts for _, _, r in _moe_layers(hf))
+    and (c.num_experts > 0) == bool(_moe_layers(hf)),
+    "num_experts_per_tok": lambda c, hf: all(r.top_k == c.num_experts_per_tok for _, _, r in _moe_layers(hf)),
+    "moe_intermediate_size": lambda c, hf: all(_inter(layer.mlp.experts) == c.moe_intermediate_size
+                                               for _, layer, _ in _moe_layers(hf)),
+    # Mixtral always renormalises; gpt-oss's softmax over the top k sums to 1 as well
+    "norm_topk_prob": lambda c, hf: all(getattr(r, "norm_topk_prob", True) == c.norm_topk_prob
+                                        for _, _, r in _moe_layers(hf)),
+    "decoder_sparse_step": lambda c, hf: [i for i, _, _ in _moe_layers(hf)]
+    == [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)],
+    "mlp_only_layers": lambda c, hf: [i for i, _, _ in _moe_layers(hf)]
+    == [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)],
+    "swiglu_alpha": lambda c, hf: all(getattr(layer.mlp.experts, "alpha", None) == c.swiglu_alpha
+                                      for _, layer, _ in _moe_layers(hf)),
+    "swiglu_limit": lambda c, hf: all(getattr(layer.mlp.experts, "limit", None) == c.swiglu_limit
+                                      for _, layer, _ in _moe_layers(hf)),
 }
 
 
@@ -144,6 +184,44 @@ def test_tiny_models(which, tiny_llama_dir, tiny_qwen2_dir):
 
     path = tiny_llama_dir if which == "tiny-llama" else tiny_qwen2_dir
     assert_matches(load_model_config(str(path)), hf_model(AutoConfig.from_pretrained(path)))
+
+
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=4, sliding_window=16),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3],
+                      norm_topk_prob=True, num_hidden_layers=4),
+    "gpt_oss": dict(num_local_experts=4, sliding_window=8, swiglu_limit=5.0),
+}
+
+
+def moe_hf_config(family: str, **overrides):
+    import transformers
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, num_experts_per_tok=2)
+    kw.update(MOE_CONFIGS[family])
+    kw.update(overrides)
+    return transformers.CONFIG_MAPPING[family](**kw)
+
+
+@pytest.mark.parametrize("family", list(MOE_CONFIGS))
+def test_moe_families(family):
+    """Mixtral (a window on every layer), Qwen3-MoE (MoE on layer 1 only: every 2nd layer but layer 3), gpt-oss
+    (sinks, o_proj bias, YaRN, alternating windows), from their config.json as transformers writes it."""
+    hf_config = moe_hf_config(family)
+    ours = ModelConfig.from_hf_dict(json.loads(hf_config.to_json_string()))
+    assert_matches(ours, hf_model(hf_config))
+
+
+@pytest.mark.parametrize("family, field, wrong", [("qwen3_moe", "mlp_only_layers", []),
+                                                  ("qwen3_moe", "norm_topk_prob", False),
+                                                  ("gpt_oss", "swiglu_limit", 7.0),
+                                                  ("gpt_oss", "rope_scaling", None)])
+def test_a_wrong_moe_field_is_caught(family, field, wrong):
+    hf_config = moe_hf_config(family)
+    ours = dataclasses.replace(ModelConfig.from_hf_dict(json.loads(hf_config.to_json_string())), **{field: wrong})
+    with pytest.raises(AssertionError, match=field):
+        assert_matches(ours, hf_model(hf_config))
 
 
 def test_default_gguf(smollm2_gguf_path):
