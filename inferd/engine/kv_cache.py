@@ -254,8 +254,15 @@ class KVCacheManager:
                 i -= 1
 
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
-        if len(self.pools) > 1 or self.pools[0].window:
-            self._slide(request)
+        if len(self.pools) == 1 and not self.pools[0].window:  # one full group: the short path of every step
+            pool = self.pools[0]
+            need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+            if need > pool.num_free:
+                return False
+            for _ in range(need):
+                request.block_ids.append(pool.take())
+            return True
+        self._slide(request)
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         needs = [total - len(self.table(request, g)) for g in range(len(self.pools))]
         if any(n > p.num_free for n, p in zip(needs, self.pools)):

@@ -126,22 +126,17 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        for row in rows:
-            tokens, start, samples = row[0], row[1], row[3]
-            n = len(tokens)
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + n))
-            if samples:
-                logits_rows.extend(range(len(input_ids) - samples, len(input_ids)))
-        dev = self.device
-        meta = self._metadata(rows, [row[2] for row in rows])
+        meta = self._metadata(rows, [row[2] for row in rows], (input_ids, positions, logits_rows))
         for g, group in enumerate(self.groups[1:]):  # the sliding groups' own slots and tables
             meta.by_window[group.window] = self._metadata(rows, [row[4][g] for row in rows])
+        dev = self.device
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
 
-    def _metadata(self, rows: list[StepRow], tables: list[list[int]]) -> AttentionMetadata:
-        """The attention metadata of one KV cache group: rows' slots and block tables (tables: each row's in it)."""
+    def _metadata(self, rows: list[StepRow], tables: list[list[int]],
+                  inputs: tuple[list[int], list[int], list[int]] | None = None) -> AttentionMetadata:
+        """The attention metadata of one KV cache group: rows' slots and block tables (tables: each row's in it).
+        inputs: (token ids, positions, logits rows) to fill on the way (the first group's pass)."""
         bs = self.block_size
         slots: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -149,8 +144,13 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         prefill_blocks: list[list[int]] = []
         row = 0
-        for (tokens, start, *_), blocks in zip(rows, tables):
+        for (tokens, start, _, samples, *_), blocks in zip(rows, tables):
             n = len(tokens)
+            if inputs is not None:
+                inputs[0].extend(tokens)
+                inputs[1].extend(range(start, start + n))
+                if samples:
+                    inputs[2].extend(range(row + n - samples, row + n))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_lens.append(start + 1)
