@@ -17,7 +17,10 @@ a static-shape path:
 - padded rows are token 0 at position 0 with context length 1, and both their slot and their block table point into
   a scratch block of the KV pool that the KVCacheManager never hands out (the engine keeps the pool's last block
   back), so they never touch a real sequence's cache; real rows' tables are padded with that block too (masked);
-- logits of every row land in one static float32 buffer; the step returns a copy of the real rows.
+- logits of every row land in one static float32 buffer; the step returns a copy of the real rows;
+- a model with sliding-window layers has further KV cache groups (kv_groups.py): the buffer holds each one's slots and
+  block table too, their padded rows and padded table entries pointing at the group's null block (never handed out,
+  masked), and the graph's AttentionMetadata carries them by window as the eager path's does.
 
 The computation is the model's own forward (inferd/models/llama.py) over an AttentionMetadata with one decode group,
 the same code as the eager path, so whatever attention does (a KV cache stored in a lower dtype included) is what
