@@ -325,10 +325,13 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         kv, scheduler, stats = self.kv_cache, self.scheduler, self.stats
-        free = kv.num_free_blocks
+        # with several KV cache groups (sliding windows), the fullest one's blocks: it is the one that runs out
+        pool = max(kv.pools, key=lambda p: 1 - p.num_free / p.num_blocks)
+        free = pool.num_free
         _, prefill, decode, nbytes, flops = stats.last
         return EngineSnapshot(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                              kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
+                              kv_blocks_in_use=pool.num_blocks - free, kv_blocks_free=free,
+                              kv_num_blocks=pool.num_blocks,
                               prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
                               num_preemptions=scheduler.num_preemptions, num_steps=stats.num_steps,
                               busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,

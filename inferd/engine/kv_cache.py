@@ -148,7 +148,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """The fullest group's share of blocks in use (it is the one that runs out)."""
+        return max(1.0 - p.num_free / p.num_blocks for p in self.pools)
 
     def short_of(self, num_tokens: int, max_step_tokens: int) -> tuple[int, int] | None:
         """(blocks needed, blocks the group has) of the first group that could never hold a request of num_tokens
