@@ -168,5 +168,16 @@ def test_groups_and_the_split_of_the_budget(windowed, micro):
     small = split_kv_budget(groups, 6 * 100 * 100, 100, 16, 8, 256)
     assert [g.num_blocks for g in small] == [100, 100]  # never less than keeping everything would give
     engine = windowed(64)
-    assert [len(p.ref_counts) for p in engine.kv_cache.pools] == [g.num_blocks - bool(g.window)
-                                                                 for g in engine.kv_groups]
+    full_pool, sliding_pool = engine.kv_cache.pools
+    assert [full_pool.num_blocks, sliding_pool.num_blocks] == [g.num_blocks - bool(g.window)
+                                                               for g in engine.kv_groups]
+    # the snapshot (metrics, the autoscaler) reports the fullest group: here the sliding one, the smaller pool
+    rid = engine.add_request(prompts(1, 40)[0], PARAMS)
+    for _ in range(4):
+        engine.step()
+    held = engine.kv_cache.blocks_in_use(engine.requests[rid])
+    assert held[1] / sliding_pool.num_blocks > held[0] / full_pool.num_blocks
+    snap = engine.snapshot()
+    assert (snap.kv_blocks_in_use, snap.kv_num_blocks) == (held[1], sliding_pool.num_blocks)
+    engine.abort(rid)
+    engine.kv_cache.check_no_leaks()
