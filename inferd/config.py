@@ -256,6 +256,10 @@ class EngineConfig:
     # the CUDA graphs' static-shape decode path without capturing graphs, on any device (CPU checks of that path:
     # tests, bench/gpu_check.py --dry-run); off in serving
     static_decode: bool = False
+    # sliding-window layers (Gemma 2/3, Mistral, gpt-oss) give back the KV blocks that left their window, in KV cache
+    # groups of their own (inferd/engine/kv_groups.py); off: every layer keeps every position, as a model without
+    # sliding layers does (tests compare the two). Always off under tensor parallelism (its ranks keep one group)
+    sliding_window_reclaim: bool = True
     # None, or "ngram": speculative decoding by prompt lookup (inferd/engine/speculative.py); outputs are those of
     # plain decoding (greedy and seeded sampling alike), steps that accept drafts emit several tokens
     speculative: str | None = None

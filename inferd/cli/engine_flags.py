@@ -120,6 +120,8 @@ FLAGLESS = {
     "record_logits": "keeps every sampled row's logits on the request: for tests and debugging, never for serving",
     "static_decode": "the CUDA graphs' static-shape decode path without graphs, for CPU checks of that path (tests, "
                      "bench/gpu_check.py --dry-run); off in serving",
+    "sliding_window_reclaim": "off only to compare with keeping every position (tests, "
+                              "bench/sliding_window_memory.py): the outputs are the same, the memory is not",
 }
 
 

@@ -17,7 +17,10 @@ a static-shape path:
 - padded rows are token 0 at position 0 with context length 1, and both their slot and their block table point into
   a scratch block of the KV pool that the KVCacheManager never hands out (the engine keeps the pool's last block
   back), so they never touch a real sequence's cache; real rows' tables are padded with that block too (masked);
-- logits of every row land in one static float32 buffer; the step returns a copy of the real rows.
+- logits of every row land in one static float32 buffer; the step returns a copy of the real rows;
+- a model with sliding-window layers has further KV cache groups (kv_groups.py): the buffer holds each one's slots and
+  block table too, their padded rows and padded table entries pointing at the group's null block (never handed out,
+  masked), and the graph's AttentionMetadata carries them by window as the eager path's does.
 
 The computation is the model's own forward (inferd/models/llama.py) over an AttentionMetadata with one decode group,
 the same code as the eager path, so whatever attention does (a KV cache stored in a lower dtype included) is what
@@ -99,11 +102,13 @@ def context_buckets(max_blocks: int, min_blocks: int = 1) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int,
-                 dtype: torch.dtype, block_size: int, spec: DecodeGraphSpec):
+                 dtype: torch.dtype, block_size: int, spec: DecodeGraphSpec,
+                 window_groups: Sequence[tuple[int, int]] = ()):
         """model and kv_caches: a ModelRunner's (whatever dtype the cache is stored in); dtype: the activations'
-        (the decode mask's, as in the eager path). Nothing is captured here: capture() does (ModelRunner calls it
-        when spec.capture)."""
-        num_pool_blocks = kv_caches[0][0].shape[1]
+        (the decode mask's, as in the eager path). window_groups: (window, null block) of each KV cache group after
+        the first (kv_groups.py), whose slots and tables the buffer holds too; their null block is their padded
+        rows' scratch block. Nothing is captured here: capture() does (ModelRunner calls it when spec.capture)."""
+        num_pool_blocks = max(k.shape[1] for k, _ in kv_caches)  # group 0's, the largest (kv_groups.py)
         if not 0 <= spec.scratch_block < num_pool_blocks:
             raise ValueError(f"scratch block {spec.scratch_block} is not in the KV pool ({num_pool_blocks} blocks)")
         self.model = model
@@ -131,7 +136,11 @@ class DecodeGraphs:
         # one buffer for every input: ids, positions, slots, context lengths (max_batch each), then the block table
         # of the step's shape, [batch, blocks] row-major
         self._offsets = (0, m, 2 * m, 3 * m, 4 * m)
-        size = 4 * m + max(b * c for b, c in self.shapes)
+        self._table_size = max(b * c for b, c in self.shapes)
+        size = 4 * m + self._table_size
+        # then per further KV cache group: its slots (max_batch) and its table (the largest shape's)
+        self.window_groups = list(window_groups)
+        size += len(self.window_groups) * (m + self._table_size)
         self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
         self._staging = torch.zeros(size, dtype=torch.long, pin_memory=True) if cuda else self.inputs
@@ -218,8 +227,18 @@ class DecodeGraphs:
         h[o_pos + n:o_pos + batch] = 0
         h[o_slot + n:o_slot + batch] = scratch * bs
         h[o_len + n:o_len + batch] = 1
+        end = o_tab + batch * blocks
+        for g, (_, null) in enumerate(self.window_groups):
+            o_gslot, o_gtab = self._group_offsets(g)
+            gtable = h[o_gtab:o_gtab + batch * blocks].reshape(batch, blocks)
+            gtable[:] = null
+            for i, row in enumerate(rows):
+                start, block_ids = row[1], row[4][g]
+                h[o_gslot + i] = block_ids[start // bs] * bs + start % bs
+                gtable[i, :start // bs + 1] = block_ids[:start // bs + 1]
+            h[o_gslot + n:o_gslot + batch] = null * bs
+            end = o_gtab + batch * blocks
         if self._copied is not None:
-            end = o_tab + batch * blocks
             self.inputs[:end].copy_(self._staging[:end], non_blocking=True)
             self._copied.record()
 
@@ -229,14 +248,34 @@ class DecodeGraphs:
         h[o_ids:o_slot] = 0
         h[o_slot:o_len] = self.scratch_block * self.block_size
         h[o_len:o_tab] = 1
-        h[o_tab:] = self.scratch_block
+        h[o_tab:o_tab + self._table_size] = self.scratch_block
+        for g, (_, null) in enumerate(self.window_groups):
+            o_gslot, o_gtab = self._group_offsets(g)
+            h[o_gslot:o_gtab] = null * self.block_size
+            h[o_gtab:o_gtab + self._table_size] = null
         if self._copied is not None:
             self.inputs.copy_(self._staging)
             torch.cuda.synchronize(self.device)
 
+    def _group_offsets(self, g: int) -> tuple[int, int]:
+        """Where the slots and the table of KV cache group g + 1 lie in the input buffer."""
+        base = 4 * self.max_batch + self._table_size + g * (self.max_batch + self._table_size)
+        return base, base + self.max_batch
+
     def _forward(self, batch: int, blocks: int) -> None:
         """The captured region: shapes depend only on (batch, blocks), values only on the input buffer."""
         ids, positions, slots, lens, table = self._views(batch, blocks)
+        meta = self._metadata(batch, blocks, slots, lens, table)
+        for g, (window, _) in enumerate(self.window_groups):
+            o_gslot, o_gtab = self._group_offsets(g)
+            meta.by_window[window] = self._metadata(batch, blocks, self.inputs[o_gslot:o_gslot + batch], lens,
+                                                    self.inputs[o_gtab:o_gtab + batch * blocks])
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        self.logits[:batch].copy_(self.model.compute_logits(hidden))
+
+    def _metadata(self, batch: int, blocks: int, slots: torch.Tensor, lens: torch.Tensor,
+                  table: torch.Tensor) -> AttentionMetadata:
+        """One KV cache group's decode metadata over its views of the input buffer."""
         if self.in_place:  # the kernel reads int32 tables and lengths in place; no mask
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_tables=table.view(batch, blocks).to(torch.int32),
@@ -248,8 +287,7 @@ class DecodeGraphs:
             mask = mask.masked_fill_(invalid, float("-inf")).view(1, batch, 1, width)
             meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
                                      decode_groups=[DecodeGroup(0, batch, table, mask)])
-        hidden = self.model(ids, positions, meta, self.kv_caches)
-        self.logits[:batch].copy_(self.model.compute_logits(hidden))
+        return meta
 
     # ---- capture (CUDA only) ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -33,6 +33,7 @@ from .cuda_graph import decode_graph_spec
 from .errors import InvalidRequestError
 from .grammars import Failure, Grammars, Masks, check_grammar_budgets
 from .kv_cache import KVCacheManager
+from .kv_groups import kv_cache_groups, split_kv_budget
 from .logits_processors import apply_logit_bias, apply_penalties_and_min_tokens
 from .memory import resolve_kv_cache_bytes
 from .outputs import RequestOutput, TokenLogprob
@@ -136,21 +137,29 @@ class Engine:
             model.ops = kernels.select(config.device, dtype, self.kv_dtype, config.kernels)
         self.kv_cache_bytes = resolve_kv_cache_bytes(model, model_config, config, dtype, self.kv_dtype)
         per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype, config.tensor_parallel)
-        num_blocks = self.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is less than one KV block ({per_block} bytes)")
+        # the KV cache groups (kv_groups.py): one, of every layer, unless the model has sliding-window layers
+        self.kv_groups = split_kv_budget(
+            kv_cache_groups(model_config, config.sliding_window_reclaim and config.tensor_parallel == 1),
+            self.kv_cache_bytes, per_block // model_config.num_hidden_layers, config.block_size, config.max_num_seqs,
+            config.max_num_batched_tokens)
+        num_blocks = self.kv_groups[0].num_blocks
+        if min(g.num_blocks - (g.window > 0) for g in self.kv_groups) < 1:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is less than one KV block ({per_block} bytes) "
+                             "in every KV cache group")
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
+        # (in a sliding group that block is its null block, kept back anyway)
         graphs = decode_graph_spec(config, num_blocks, self.max_model_len)
-        self.kv_cache = KVCacheManager(num_blocks - (graphs is not None), config.block_size,
-                                       config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager([g.num_blocks - (1 if g.window else graphs is not None) for g in self.kv_groups],
+                                       config.block_size, config.enable_prefix_caching,
+                                       [g.window for g in self.kv_groups])
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         # set either way: the mode lives in the model's layers, and a model may be handed to another engine
         batch_invariant.enable(model, config.batch_invariant)
         self.parallel = parallel
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel, kv_dtype=self.kv_dtype, decode_graphs=graphs,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, groups=self.kv_groups)
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
@@ -220,11 +229,11 @@ class Engine:
                                  self.max_model_len)
         if params.constrained and self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer, and this engine has none")
-        need = self.kv_cache.blocks_needed(total)
-        if need > self.kv_cache.num_blocks:
+        short = self.kv_cache.short_of(total, self.config.max_num_batched_tokens)
+        if short is not None:
             raise InvalidRequestError(
-                f"the request needs {need} KV blocks ({total} tokens) and the whole cache has "
-                f"{self.kv_cache.num_blocks}; it could never run")
+                f"the request needs {short[0]} KV blocks ({total} tokens) and the whole cache has "
+                f"{short[1]}; it could never run")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, num_prompt_tokens: int | None = None) -> str:
@@ -318,10 +327,13 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         kv, scheduler, stats = self.kv_cache, self.scheduler, self.stats
-        free = kv.num_free_blocks
+        # with several KV cache groups (sliding windows), the fullest one's blocks: it is the one that runs out
+        pool = max(kv.pools, key=lambda p: 1 - p.num_free / p.num_blocks)
+        free = pool.num_free
         _, prefill, decode, nbytes, flops = stats.last
         return EngineSnapshot(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                              kv_blocks_in_use=kv.num_blocks - free, kv_blocks_free=free, kv_num_blocks=kv.num_blocks,
+                              kv_blocks_in_use=pool.num_blocks - free, kv_blocks_free=free,
+                              kv_num_blocks=pool.num_blocks,
                               prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
                               num_preemptions=scheduler.num_preemptions, num_steps=stats.num_steps,
                               busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,

@@ -113,7 +113,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # its block table (in KV cache group 0: kv_groups.py)
+    window_block_ids: list[list[int]] = field(default_factory=list)  # its tables in groups 1.. (sliding windows)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     status: RequestStatus = RequestStatus.WAITING
     admitted_seq: int = -1  # order of admission into running (preemption picks the latest first)

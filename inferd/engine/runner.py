@@ -15,6 +15,7 @@ from ..models.batch_invariant import build_groups
 from ..models.config import ModelConfig
 from ..models.step_row import StepRow
 from .cuda_graph import DecodeGraphs, DecodeGraphSpec
+from .kv_groups import KVGroup
 from .scheduler import SchedulerOutput
 
 
@@ -33,7 +34,10 @@ def step_rows(sched: SchedulerOutput) -> list[StepRow]:
         tokens = r.token_ids[start:start + s.num_tokens - s.num_draft]
         if s.num_draft:
             tokens = tokens + r.draft_token_ids[:s.num_draft]
-        rows.append((tokens, start, r.block_ids, s.num_logits))  # a StepRow's fields
+        if r.window_block_ids:
+            rows.append((tokens, start, r.block_ids, s.num_logits, r.window_block_ids))  # a StepRow's fields
+        else:
+            rows.append((tokens, start, r.block_ids, s.num_logits))
     return rows
 
 
@@ -79,12 +83,15 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", tensor_parallel: int = 1,
                  parallel: StepPeers | None = None, kv_dtype: torch.dtype | None = None,
-                 decode_graphs: DecodeGraphSpec | None = None, batch_invariant: bool = False):
+                 decode_graphs: DecodeGraphSpec | None = None, batch_invariant: bool = False,
+                 groups: list[KVGroup] | None = None):
         """tensor_parallel: model is this rank's shard of it, and the KV cache holds this rank's KV heads.
         parallel (rank 0 only): the other ranks, sent every step before it runs here.
         kv_dtype: the KV cache's storage dtype (None: dtype, the activations'); attention reads it back in dtype.
         decode_graphs: the static-shape decode path over this runner's pool (cuda_graph.py), captured as CUDA graphs
-        when it says so. batch_invariant: every row's attention the same way (inferd/models/batch_invariant.py)."""
+        when it says so. batch_invariant: every row's attention the same way (inferd/models/batch_invariant.py).
+        groups: the KV cache groups with their block counts (kv_groups.py); None: one group of every layer, of
+        num_blocks blocks."""
         if parallel is not None and decode_graphs is not None:
             raise ValueError("CUDA graphs are not used with tensor parallelism")
         self.model = model
@@ -97,30 +104,53 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
-        # zeros, not empty: padded decode slots are masked, and 0 * garbage could be NaN
-        self.kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads // tensor_parallel, num_blocks,
-                              block_size, config.head_dim, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_hidden_layers)]
+        # one tensor per KV cache group (kv_groups.py), [layers of the group, 2, kv heads, blocks, block, head_dim];
+        # zeros, not empty: padded decode slots (and a sliding group's null block) are masked, and 0 * garbage could
+        # be NaN
+        self.groups = groups or [KVGroup(0, tuple(range(config.num_hidden_layers)), num_blocks)]
+        kv_heads = config.num_key_value_heads // tensor_parallel
+        self.kv_tensors = [torch.zeros(len(g.layers), 2, kv_heads, g.num_blocks, block_size, config.head_dim,
+                                       dtype=self.kv_dtype, device=self.device) for g in self.groups]
+        self.kv = self.kv_tensors[0]
+        layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g, kv in zip(self.groups, self.kv_tensors):
+            layer_kv.update((layer, (kv[i, 0], kv[i, 1])) for i, layer in enumerate(g.layers))
+        self.kv_caches = [layer_kv[i] for i in range(config.num_hidden_layers)]
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs is not None:
-            graphs = DecodeGraphs(model, self.kv_caches, config.vocab_size, dtype, block_size, decode_graphs)
+            graphs = DecodeGraphs(model, self.kv_caches, config.vocab_size, dtype, block_size, decode_graphs,
+                                  [(g.window, g.num_blocks - 1) for g in self.groups[1:]])
             self.decode_graphs = graphs.capture() if decode_graphs.capture else graphs
 
     def prepare(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         logits_rows: list[int] = []
+        meta = self._metadata(rows, [row[2] for row in rows], (input_ids, positions, logits_rows))
+        for g, group in enumerate(self.groups[1:]):  # the sliding groups' own slots and tables
+            meta.by_window[group.window] = self._metadata(rows, [row[4][g] for row in rows])
+        dev = self.device
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
+
+    def _metadata(self, rows: list[StepRow], tables: list[list[int]],
+                  inputs: tuple[list[int], list[int], list[int]] | None = None) -> AttentionMetadata:
+        """The attention metadata of one KV cache group: rows' slots and block tables (tables: each row's in it).
+        inputs: (token ids, positions, logits rows) to fill on the way (the first group's pass)."""
+        bs = self.block_size
+        slots: list[int] = []
         prefills: list[PrefillSeq] = []
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
         prefill_blocks: list[list[int]] = []
-        for tokens, start, blocks, samples in rows:
+        row = 0
+        for (tokens, start, _, samples, *_), blocks in zip(rows, tables):
             n = len(tokens)
-            row = len(input_ids)
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + n))
+            if inputs is not None:
+                inputs[0].extend(tokens)
+                inputs[1].extend(range(start, start + n))
+                if samples:
+                    inputs[2].extend(range(row + n - samples, row + n))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_lens.append(start + 1)
@@ -129,17 +159,15 @@ class ModelRunner:
                 used = -(-(start + n) // bs)
                 prefill_blocks.append(blocks[:used])
                 prefills.append(PrefillSeq(row, row + n, start, None))
-            if samples:
-                logits_rows.extend(range(row + n - samples, row + n))
+            row += n
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decode_lens), prefills=prefills)
         if self.batch_invariant:  # every query row over its own context (batch_invariant.py)
             for p, blocks in zip(prefills, prefill_blocks):
                 p.block_ids = torch.tensor(blocks, dtype=torch.long, device=dev)
-            meta.invariant = build_groups([(start, len(tokens), blocks) for tokens, start, blocks, _ in rows], bs, dev)
-            return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                    torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
+            meta.invariant = build_groups([(r[1], len(r[0]), blocks) for r, blocks in zip(rows, tables)], bs, dev)
+            return meta
         ops = getattr(self.model, "ops", REFERENCE_OPS)
         if prefills and ops.prefill_varlen:  # every chunk in one call, reading the cache in place
             # the chunks' rows follow the decode rows, in order (the scheduler puts one-token rows first)
@@ -167,8 +195,7 @@ class ModelRunner:
             meta.decode_groups = [
                 DecodeGroup(lo, hi, *self._decode_tables(decode_tables[lo:hi], decode_lens[lo:hi]))
                 for lo, hi in split_by_length(decode_lens, bs)]
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta, logits_rows)
+        return meta
 
     def _decode_tables(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         max_blocks = max(len(t) for t in tables)

@@ -16,7 +16,6 @@ work is never thrown away for a head that would wait anyway, and never for an eq
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
@@ -204,24 +203,16 @@ class Scheduler:
         fewest, in victim order, among those strictly less important than req. Empty when no such prefix of
         them makes room: preempting would throw their work away while req waits anyway.
 
-        A dry run of KVCacheManager.admit() on the state after freeing the victims: a block comes free when the
-        victims hold all its references, except a prefix hit of req (admit() takes those separately); a victim
-        scheduled this step gives its tokens back to the budget, so req's first chunk may grow."""
+        A dry run of KVCacheManager.admit() on the state after freeing the victims (fits_after_freeing, in every KV
+        cache group); a victim scheduled this step gives its tokens back to the budget, so req's first chunk may
+        grow."""
         candidates = sorted((r for r in self.running if r.params.priority > req.params.priority),
                             key=self._victim_key, reverse=True)
         num_cached = len(hits) * self.kv.block_size
-        hit_set = set(hits)
-        available = self.kv.num_free_blocks - sum(1 for b in hits if self.kv.ref_counts[b] == 0)
-        refs_dropped: Counter[int] = Counter()
         for k, victim in enumerate(candidates, 1):
             if victim.request_id in scheduled:
                 budget += scheduled[victim.request_id].num_tokens
-            for b in victim.block_ids:
-                refs_dropped[b] += 1
-                if refs_dropped[b] == self.kv.ref_counts[b] and b not in hit_set:
-                    available += 1
             n = min(req.num_tokens - num_cached, budget)
-            need = self.kv.blocks_needed(num_cached + n) - len(hits)
-            if len(self.running) - k < self.max_num_seqs and need <= available:
+            if len(self.running) - k < self.max_num_seqs and self.kv.fits_after_freeing(req, hits, n, candidates[:k]):
                 return candidates[:k]
         return []

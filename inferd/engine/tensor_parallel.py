@@ -71,7 +71,7 @@ def encode_step(rows: list[StepRow]) -> bytes:
     """[count, then per sequence: start, n, n_blocks, n token ids, n_blocks block ids] as int64; count excludes
     itself."""
     msg = array("q", [0])
-    for tokens, start, blocks, _ in rows:
+    for tokens, start, blocks, *_ in rows:  # one KV cache group under tensor parallelism (kv_groups.py)
         msg.extend((start, len(tokens), len(blocks)))
         msg.extend(tokens)
         msg.extend(blocks)

@@ -68,6 +68,9 @@ class AttentionMetadata:
     # batch-invariant mode (inferd/models/batch_invariant.py): build_groups' (single-row groups, shared segments);
     # when set, decode_groups and prefills are not used
     invariant: tuple | None = None
+    # the other KV cache groups' metadata (their own slots and block tables: inferd/engine/kv_groups.py), by their
+    # sliding window; a layer whose window is not here uses this one
+    by_window: dict[int, AttentionMetadata] = field(default_factory=dict)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
@@ -117,6 +120,8 @@ class Attention(nn.Module):
         return dict(window=self.window, sinks=self.sinks, softcap=self.softcap)
 
     def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache, ops, rotary):
+        if meta.by_window:  # this layer's KV cache group has tables of its own
+            meta = meta.by_window.get(self.window, meta)
         T = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [T, q + k + v], rows contiguous
         if self.q_norm is not None:  # per head, before RoPE, in place in the fused rows

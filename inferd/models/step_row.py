@@ -13,3 +13,6 @@ class StepRow(NamedTuple):
     start: int  # the position of the first of them
     block_ids: list[int]  # the sequence's block table (at least the blocks up to start + len(token_ids))
     samples: int  # how many of its last rows give logits: 0, 1, or 1 + the speculative drafts it verifies
+    # its block tables in KV cache groups 1.. (sliding-window layers: inferd/engine/kv_groups.py); block_ids is
+    # group 0's
+    window_block_ids: tuple[list[int], ...] | list[list[int]] = ()
