@@ -111,8 +111,9 @@ def run(t, scenario: str, model=None, cfg=None):
     if scenario == "chunked-prefix":  # chunks of 16 beside decodes; prompt 4 arrives after prompt 3's prefix
         engine = make_engine(t, model, cfg, max_num_batched_tokens=16, max_num_seqs=8)
         reqs, trace = run_staggered(engine, t.prompts, params, every=4)
-    else:  # preemption: 7 blocks for 5 prompts of up to 4 blocks each
-        engine = make_engine(t, model, cfg, blocks=7, max_num_batched_tokens=64, max_num_seqs=8)
+    else:  # preemption: 5 blocks for 5 prompts of up to 4 blocks each (sliding layers give blocks back: with 7 no
+        # family preempts)
+        engine = make_engine(t, model, cfg, blocks=5, max_num_batched_tokens=64, max_num_seqs=8)
         reqs, trace = run_staggered(engine, t.prompts, params, every=1)
     return engine, reqs, trace
 
