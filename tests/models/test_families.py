@@ -257,3 +257,17 @@ def test_a_window_past_the_context_is_dropped():
     with torch.device("meta"):
         assert all(layer.self_attn.plain for layer in LlamaForCausalLM(cfg, 4096).layers)
         assert [layer.self_attn.window for layer in LlamaForCausalLM(cfg, 4097).layers] == [4096, 4096]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_speculative_decoding(families, name):
+    """n-gram drafts verified as multi-token rows through sliding windows and two rotary tables (Gemma 3), partial
+    rotary and longrope (Phi-3): the same tokens and logits as transformers, drafts proposed on the way."""
+    family = families(name)
+    params = [SamplingParams(max_tokens=len(ref.tokens), temperature=0, ignore_eos=True) for ref in family.refs]
+    engine = make_engine(family, speculative="ngram", num_draft=4, ngram_min=1, max_num_batched_tokens=64,
+                         max_num_seqs=8)
+    reqs, _ = run_staggered(engine, family.prompts, params, every=2)
+    check_all(family, reqs)
+    assert engine.stats.spec_drafted > 0
+    engine.kv_cache.check_no_leaks()

@@ -379,3 +379,15 @@ def test_tensor_parallel_refuses_a_mixture_of_experts(built):
         with pytest.raises(ValueError, match="does not run the"):
             check_tensor_parallel(built(name).cfg, 2)
         check_tensor_parallel(built(name).cfg, 1)
+
+
+def test_speculative_decoding(built):
+    """gpt-oss (sinks, alternating windows, MoE): n-gram drafts verified as multi-token rows give transformers' tokens
+    and logits."""
+    family = built("gpt_oss")
+    engine = make_engine(family.cfg, family.model, 64, speculative="ngram", num_draft=4, ngram_min=1,
+                         max_num_batched_tokens=64, max_num_seqs=8)
+    reqs, _ = run_staggered(engine, family.prompts, [greedy(n) for n in MAX_NEW], every=2)
+    check_all(family, reqs)
+    assert engine.stats.spec_drafted > 0
+    engine.kv_cache.check_no_leaks()
