@@ -15,13 +15,7 @@ from pathlib import Path
 import httpx
 
 READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine; normally ~5-10 s
-# Every process the suite starts (servers, their workers) waits at OpenMP barriers asleep, not spinning (libgomp
-# spins ~300,000 times first by default). A test's worker never has the cores to itself: the gateway, the test's
-# client and often a second worker or a reference server run beside its two threads, and a thread spinning while
-# the thread it waits for is descheduled burns a whole time slice at every barrier of a tiny model's step. Measured
-# on 2 cores (tiny Llama server, 6 streams x 80 tokens, busy machine): 28-41 s spinning, 0.8-0.9 s asleep. The
-# in-process engines of pytest itself keep the default (they run alone). What any test checks is unchanged.
-ENV = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
