@@ -26,8 +26,15 @@ def cluster(tmp_path_factory, tiny_llama_dir):
         kill_group(server.proc)
 
 
-@pytest.fixture(scope="module")
-def reference_server(cluster):
-    """One worker, never disturbed: what every request must equal."""
-    return cluster("--workers", "1", name="reference")
+@pytest.fixture(scope="session")
+def reference_server(tmp_path_factory, tiny_llama_dir):
+    """One worker, never disturbed: what every request must equal. One for the session (it was one per module: three
+    modules use it, and a server start costs seconds): nothing a test does to it changes what it answers, and no test
+    stops it."""
+    from servers import kill_group, start_server
+
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("reference") / "serve.log", *CLUSTER_ARGS,
+                          "--workers", "1", model_name="tiny")
+    yield server
+    kill_group(server.proc)
 
