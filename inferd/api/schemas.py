@@ -204,6 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: variables for the chat template, e.g. {\"enable_thinking\": false}")
     # OpenAI parameters not supported yet: only their neutral values are accepted
     functions: list[dict[str, Any]] | None = Field(None, description="not supported: only null or []")
     function_call: Identifier | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")

@@ -18,10 +18,20 @@ from ..gateway.router import Router
 from ..models.tokenizer import Tokenizer
 from ..telemetry.metrics import Metrics
 from .errors import INVALID_REQUEST, APIError, invalid
+from .reasoning import constraint_after_reasoning, reasoning_enabled
 from .refusals import not_ready
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .template_kwargs import check_template_kwargs
 from .tokenizing import off_the_loop
-from .tools import FORMATS, ToolFormat, default_parser, render_messages, template_knows_tools, tool_constraint
+from .tools import (
+    FORMATS,
+    ToolFormat,
+    default_parser,
+    marker_tokens,
+    render_messages,
+    template_knows_tools,
+    tool_constraint,
+)
 
 
 # ---- a prepared request ------------------------------------------------------------------------------------------
@@ -42,6 +52,8 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_format: ToolFormat | None = None  # set when the output is parsed for tool calls
     tool_names: frozenset[str] = frozenset()  # the functions it may call (a call of another name is text)
+    reasoning: str | None = None  # the reasoning parser splitting its output (api/reasoning.py), if any
+    keep_special: frozenset[int] = frozenset()  # special tokens its text keeps (markers its parsers read)
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,7 +70,8 @@ class OpenAIServing:
     """Turns validated completion and chat requests into `Prepared` engine work (see the module's docstring)."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics,
-                 tool_call_parser: str | None = None, allow_grammar: bool = True):
+                 tool_call_parser: str | None = None, allow_grammar: bool = True,
+                 reasoning_parser: str | None = None):
         self.router = router
         # the free-form `grammar` kind of structured outputs (EBNF: the one whose cost a client controls most), server
         # wide (--no-grammar); a tenant may also be refused it (its keys-file entry's allow_grammar)
@@ -67,6 +80,7 @@ class OpenAIServing:
         template = getattr(tokenizer, "chat_template", None)
         self.native_tools = template_knows_tools(template)  # else: the fallback tool prompt (api/tools.py)
         self.tool_format = FORMATS[tool_call_parser or default_parser(template if self.native_tools else None)]
+        self.reasoning_parser = reasoning_parser
         self.model_name = model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
@@ -142,6 +156,9 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
         spec = self._constraint(req)
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs,
+                                                getattr(self.tokenizer, "contains_special_text", None))
+        reasoning = self.reasoning_parser if reasoning_enabled(template_kwargs) else None
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if choice != "none" and not tools:
@@ -163,12 +180,18 @@ class OpenAIServing:
             spec = ("structural_tag", text)
             self._check_spec(spec, "tools")
             tool_format = self.tool_format
-        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt), tools)
+        if spec is not None and reasoning is not None:  # the thinking stays free; the answer is constrained
+            spec = constraint_after_reasoning(*spec, reasoning)
+            self._check_spec(spec, "tools" if tool_format is not None else "response_format")
+        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt), tools, template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at, spec)
         prep.tool_format = tool_format
         prep.tool_names = frozenset(t["function"]["name"] for t in tools)
+        prep.reasoning = reasoning
+        if tool_format is not None:
+            prep.keep_special = marker_tokens(tool_format, self.tokenizer)
         return prep
 
     def _constraint(self, req) -> tuple[str, str] | None:
@@ -226,7 +249,7 @@ class OpenAIServing:
             raise invalid(str(e), param=param, code="invalid_structured_output") from None
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         rendered = []
         check = getattr(self.tokenizer, "contains_special_text", None)
         for i, m in enumerate(messages):
@@ -253,6 +276,8 @@ class OpenAIServing:
             rendered, kwargs = render_messages(rendered, tools, self.native_tools)
         else:
             kwargs = {}
+        if template_kwargs:
+            kwargs = {**template_kwargs, **kwargs}
         try:
             return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template that raises on this conversation (e.g. role order): the client's input
