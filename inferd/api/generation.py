@@ -33,6 +33,7 @@ from ..worker.client import WorkerClient, WorkerDead
 from ..worker.protocol import WorkerOutput
 from .embeddings import EmbeddingModel, EmbeddingRequest
 from .errors import APIError
+from .harmony import HarmonyParser
 from .reasoning import ReasoningParser
 from .refusals import is_server_error, worker_error
 from .responses import complete
@@ -56,6 +57,7 @@ class ChoiceState:
     tools: ToolCallParser | None = None  # splits the text into content and tool calls (requests with tools)
     reasoning: ReasoningParser | None = None  # splits the reasoning off first (--reasoning-parser)
     reasoning_pieces: list[str] = field(default_factory=list)  # emitted reasoning, for non-streaming responses
+    harmony: HarmonyParser | None = None  # gpt-oss's channels: reasoning, content and tool calls in one
 
     @property
     def finished(self) -> bool:
@@ -187,6 +189,9 @@ class Generation:
         if prep.reasoning is not None:
             for c in self.choices:
                 c.reasoning = ReasoningParser(prep.reasoning)
+        if prep.harmony:
+            for c in self.choices:
+                c.harmony = HarmonyParser(prep.tool_names)
         self._events: asyncio.Queue = asyncio.Queue()  # events, an exception, then _END
         self._driver: asyncio.Task | None = None
         self._released = False
@@ -306,6 +311,13 @@ class Generation:
             items = choice.reasoning.feed(delta, final=choice.finished)
             reasoning = "".join(text for channel, text in items if channel == "reasoning")
             delta = "".join(text for channel, text in items if channel == "content")
+        if choice.harmony is not None:  # the channels give the reasoning, the content and the tool calls at once
+            items = choice.harmony.feed(delta, final=choice.finished)
+            reasoning = "".join(item[1] for item in items if item[0] == "reasoning")
+            delta = "".join(item[1] for item in items if item[0] == "content")
+            calls = [item[1:] for item in items if item[0] == "call"]
+            if choice.finished and choice.finish_reason == "stop" and choice.harmony.calls:
+                choice.finish_reason = "tool_calls"
         if choice.tools is not None:  # the text splits into content and tool-call deltas
             items = choice.tools.feed(delta, final=choice.finished)
             delta = "".join(item[1] for item in items if item[0] == "content")

@@ -108,7 +108,7 @@ class ReasoningParser:
         self._buf = ""
 
 
-def _content_format(kind: str, text: str) -> dict:
+def content_format(kind: str, text: str) -> dict:
     """A constraint (kind, text as inferd/engine/structured.py takes it) as an xgrammar structural-tag format."""
     if kind == "json":
         return {"type": "json_schema", "json_schema": json.loads(text), "max_whitespace_cnt": JSON_MAX_WHITESPACE}
@@ -132,6 +132,6 @@ def constraint_after_reasoning(kind: str, text: str, parser: str) -> tuple[str, 
     whitespace, then what the constraint asked for. ValueError for a constraint that cannot be written so."""
     thinking = {"type": "tag", "begin": "" if parser == "deepseek_r1" else THINK_START,
                 "content": {"type": "any_text"}, "end": THINK_END}
-    elements = [thinking, {"type": "regex", "pattern": _GAP_PATTERN}, _content_format(kind, text)]
+    elements = [thinking, {"type": "regex", "pattern": _GAP_PATTERN}, content_format(kind, text)]
     return "structural_tag", json.dumps({"type": "structural_tag",
                                          "format": {"type": "sequence", "elements": elements}})

@@ -34,6 +34,11 @@ async def complete(generation) -> dict:
             if c.reasoning is not None:  # vLLM's field: null when the model wrote no reasoning
                 message["reasoning_content"] = "".join(c.reasoning_pieces) or None
                 message["content"] = text or None
+            if c.harmony is not None:
+                content, calls = c.harmony.result()
+                message["reasoning_content"], message["content"] = c.harmony.reasoning or None, content
+                if calls:
+                    message["tool_calls"] = calls
             if c.tools is not None:
                 content, calls = c.tools.result()
                 if calls:

@@ -510,9 +510,10 @@ async def _load_serving(state, opts: ServeOptions) -> None:
     from .serving import OpenAIServing
 
     tokenizer = await asyncio.to_thread(load_tokenizer, opts.model_path)
-    state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics,
-                                  tool_call_parser=opts.tool_call_parser, allow_grammar=opts.allow_grammar,
-                                  reasoning_parser=opts.reasoning_parser)
+    # on a thread: harmony's vocabulary may be written and loaded here (api/harmony.py: a second or so)
+    state.serving = await asyncio.to_thread(OpenAIServing, state.router, tokenizer, opts.served_model_name,
+                                            state.metrics, tool_call_parser=opts.tool_call_parser,
+                                            allow_grammar=opts.allow_grammar, reasoning_parser=opts.reasoning_parser)
     state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
 
 

@@ -416,6 +416,11 @@ class Tokenizer:
         logger.warning("chat template transforms message contents unpredictably; tokenizing them untransformed")
         return plain
 
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Tokenize (text, is_content) pieces rendered by something other than the chat template (harmony): template
+        text with its special tokens parsed, content text with them split."""
+        return self._encode_segments(segments)
+
     def _encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
         """Tokenize template text with its special tokens parsed and content text with them split."""
         ids: list[int] = []
