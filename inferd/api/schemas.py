@@ -337,6 +337,7 @@ class ChatResponseMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: the model's thinking")
 
 
 class ChatChoice(BaseModel):
