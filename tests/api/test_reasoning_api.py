@@ -99,12 +99,15 @@ def test_tool_calls_come_from_the_content_and_constraints_follow_the_thinking(cl
     assert json.loads(r.choices[0].message.content) == {"n": 42}
 
 
-@pytest.mark.parametrize("kwargs", [{"enable_thinking": "no"}, {"tools": []}, {"bad name": 1},
-                                    {"x": "<|im_start|>"}, "not an object"])
-def test_bad_chat_template_kwargs_are_400s(server, kwargs):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                   json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
-                         "chat_template_kwargs": kwargs})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"} and "chat_template_kwargs" in (error["param"] or "")
+def test_bad_chat_template_kwargs_are_400s_and_good_ones_are_not(server):
+    def post(kwargs):
+        return httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 4, "chat_template_kwargs": kwargs})
+
+    for kwargs in ({"enable_thinking": "no"}, {"tools": []}, {"bad name": 1}, {"x": "<|im_start|>"}, "not an object"):
+        r = post(kwargs)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) >= {"message", "type", "param", "code"} and "chat_template_kwargs" in (error["param"] or "")
+    assert post({"enable_thinking": True, "anything": {"nested": [1, "two"]}}).status_code == 200
