@@ -128,10 +128,15 @@ def content_format(kind: str, text: str) -> dict:
 
 def constraint_after_reasoning(kind: str, text: str, parser: str) -> tuple[str, str]:
     """The constraint (kind, text) moved after the thinking: a structural tag whose first element is the thinking
-    (any text, then ``</think>``; opened by ``<think>`` for qwen3, by the prompt for deepseek_r1), then a little
-    whitespace, then what the constraint asked for. ValueError for a constraint that cannot be written so."""
-    thinking = {"type": "tag", "begin": "" if parser == "deepseek_r1" else THINK_START,
-                "content": {"type": "any_text"}, "end": THINK_END}
-    elements = [thinking, {"type": "regex", "pattern": _GAP_PATTERN}, content_format(kind, text)]
+    (any text, then ``</think>`` and a little whitespace; for qwen3 optional and opened by ``<think>``, for
+    deepseek_r1 opened by the prompt), then what the constraint asked for. ValueError for a constraint that cannot
+    be written so."""
+    thinking = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "" if parser == "deepseek_r1" else THINK_START, "content": {"type": "any_text"},
+         "end": THINK_END},
+        {"type": "regex", "pattern": _GAP_PATTERN}]}
+    if parser == "qwen3":  # thinking only if the model opens it: it may answer at once
+        thinking = {"type": "optional", "content": thinking}
+    elements = [thinking, content_format(kind, text)]
     return "structural_tag", json.dumps({"type": "structural_tag",
                                          "format": {"type": "sequence", "elements": elements}})
