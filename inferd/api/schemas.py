@@ -215,7 +215,7 @@ class ChatCompletionRequest(_SamplingFields):
     store: StrictBool | None = Field(None, description="not supported: only false")
     metadata: dict[str, StrictStr] | None = Field(None, description="not supported: only null or {}")
     service_tier: Identifier | None = Field(None, description="only 'auto' or 'default'")
-    reasoning_effort: Identifier | None = Field(None, description="not supported: only null")
+    reasoning_effort: Identifier | None = Field(None, description="gpt-oss: low, medium or high; else only null")
     verbosity: Identifier | None = Field(None, description="not supported: only null")
     web_search_options: dict[str, Any] | None = Field(None, description="not supported: only null")
     moderation: dict[str, Any] | None = Field(None, description="not supported: only null")
