@@ -116,7 +116,13 @@ BATCH_SWEEP_INTERVAL_S = 60.0  # the retention sweep runs this often (or at half
 BATCH_VALIDATIONS = 2  # input files validated at once (each a thread reading up to MAX_FILE_BYTES)
 BUSY_BATCH_CONCURRENCY = 1  # batch lines started while interactive/standard requests run or wait
 BATCH_BUSY_COOLDOWN_S = 2.0  # ... and until this long after the last of them: then the batch takes the idle capacity
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `--tool-call-parser` (inferd/api/tools.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "harmony")  # `--tool-call-parser` (inferd/api/tools.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "harmony")  # `--reasoning-parser` (inferd/api/reasoning.py, harmony.py)
+# a chat request's `chat_template_kwargs` (variables for the chat template, e.g. enable_thinking): the template
+# renders them on the API process's threads, so their size is bounded as the messages' are: this many characters as
+# JSON (a few flags and short strings are tens of characters) and this many levels of nesting
+CHAT_TEMPLATE_KWARGS_MAX_CHARS = 16 << 10
+CHAT_TEMPLATE_KWARGS_MAX_DEPTH = 8
 # text that could still open a tool call is held back from the stream at most this long (a call's head is ~60
 # characters; past this, whitespace runs included, it is text)
 TOOL_CALL_MAX_HEAD_CHARS = 512

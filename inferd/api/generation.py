@@ -33,6 +33,8 @@ from ..worker.client import WorkerClient, WorkerDead
 from ..worker.protocol import WorkerOutput
 from .embeddings import EmbeddingModel, EmbeddingRequest
 from .errors import APIError
+from .harmony import HarmonyParser
+from .reasoning import ReasoningParser
 from .refusals import is_server_error, worker_error
 from .responses import complete
 from .serving import OpenAIServing, Prepared
@@ -53,6 +55,9 @@ class ChoiceState:
     logprobs: list = field(default_factory=list)  # per token: (token id, logprob, [(id, logprob)...])
     token_ids: list[int] = field(default_factory=list)  # the journal: every generated token id, for a replay
     tools: ToolCallParser | None = None  # splits the text into content and tool calls (requests with tools)
+    reasoning: ReasoningParser | None = None  # splits the reasoning off first (--reasoning-parser)
+    reasoning_pieces: list[str] = field(default_factory=list)  # emitted reasoning, for non-streaming responses
+    harmony: HarmonyParser | None = None  # gpt-oss's channels: reasoning, content and tool calls in one
 
     @property
     def finished(self) -> bool:
@@ -174,12 +179,19 @@ class Generation:
         self.prep = prep
         self.ticket = ticket
         tok = self.serving.tokenizer
-        self.choices = [ChoiceState(i, TextWithStops(IncrementalDetokenizer(tok, prep.prompts[prep.prompt_of[i]]),
+        self.choices = [ChoiceState(i, TextWithStops(IncrementalDetokenizer(tok, prep.prompts[prep.prompt_of[i]],
+                                                                            keep_special_ids=prep.keep_special),
                                                      prep.params[i].stop))
                         for i in range(len(prep.params))]
         if prep.tool_format is not None:
             for c in self.choices:
                 c.tools = ToolCallParser(prep.tool_format, prep.tool_names)
+        if prep.reasoning is not None:
+            for c in self.choices:
+                c.reasoning = ReasoningParser(prep.reasoning)
+        if prep.harmony:
+            for c in self.choices:
+                c.harmony = HarmonyParser(prep.tool_names)
         self._events: asyncio.Queue = asyncio.Queue()  # events, an exception, then _END
         self._driver: asyncio.Task | None = None
         self._released = False
@@ -243,9 +255,9 @@ class Generation:
             async for out in stream:
                 if choice.finished:  # ended here (a stop string) before the worker noticed
                     break
-                delta, entries, calls = self._apply(choice, out)
+                delta, entries, calls, reasoning = self._apply(choice, out)
                 # whether THIS event ended the choice: the writer may read it long after the driver moved on
-                self._events.put_nowait((choice, delta, entries, out, choice.finished, calls))
+                self._events.put_nowait((choice, delta, entries, out, choice.finished, calls, reasoning))
                 if choice.finished:  # also when it ended here: leaving the loop aborts it in the worker
                     break
         finally:
@@ -259,9 +271,9 @@ class Generation:
         self.ticket.finish(self.usage()["total_tokens"] if self.dispatched_at is not None else 0)
         self.service.finished(self)
 
-    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput, bool, list]]:
-        """Yields (choice, text delta, logprob entries, the output, whether it ended the choice, tool-call deltas)
-        per step and choice, until every choice is finished. Raises the first worker error."""
+    async def events(self) -> AsyncIterator[tuple[ChoiceState, str, list, WorkerOutput, bool, list, str]]:
+        """Yields (choice, text delta, logprob entries, the output, whether it ended the choice, tool-call deltas,
+        reasoning delta) per step and choice, until every choice is finished. Raises the first worker error."""
         while True:
             item = await self._events.get()
             if item is _END:
@@ -270,7 +282,7 @@ class Generation:
                 raise item
             yield item
 
-    def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list, list]:
+    def _apply(self, choice: ChoiceState, out: WorkerOutput) -> tuple[str, list, list, str]:
         now = time.perf_counter()
         if self.last_output_at is not None and self.num_replays:
             self.longest_gap_s = max(self.longest_gap_s, (out.received_at or now) - self.last_output_at)
@@ -294,6 +306,18 @@ class Generation:
             choice.stop_reason = matched
         entries = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if self.prep.logprobs else []
         calls: list = []
+        reasoning = ""
+        if choice.reasoning is not None:  # the reasoning first: tool calls are parsed from the content only
+            items = choice.reasoning.feed(delta, final=choice.finished)
+            reasoning = "".join(text for channel, text in items if channel == "reasoning")
+            delta = "".join(text for channel, text in items if channel == "content")
+        if choice.harmony is not None:  # the channels give the reasoning, the content and the tool calls at once
+            items = choice.harmony.feed(delta, final=choice.finished)
+            reasoning = "".join(item[1] for item in items if item[0] == "reasoning")
+            delta = "".join(item[1] for item in items if item[0] == "content")
+            calls = [item[1:] for item in items if item[0] == "call"]
+            if choice.finished and choice.finish_reason == "stop" and choice.harmony.calls:
+                choice.finish_reason = "tool_calls"
         if choice.tools is not None:  # the text splits into content and tool-call deltas
             items = choice.tools.feed(delta, final=choice.finished)
             delta = "".join(item[1] for item in items if item[0] == "content")
@@ -306,7 +330,9 @@ class Generation:
             choice.logprobs.extend(entries)
             if delta:
                 choice.pieces.append(delta)
-        return delta, entries, calls
+            if reasoning:
+                choice.reasoning_pieces.append(reasoning)
+        return delta, entries, calls, reasoning
 
     def _observe_finish(self, choice: ChoiceState, now: float) -> None:
         m = self.serving.metrics

@@ -31,6 +31,14 @@ async def complete(generation) -> dict:
         logprobs = _logprobs(generation, c, c.logprobs, 0) if prep.logprobs else None
         if prep.chat:
             message = {"role": "assistant", "content": text, "refusal": None}
+            if c.reasoning is not None:  # vLLM's field: null when the model wrote no reasoning
+                message["reasoning_content"] = "".join(c.reasoning_pieces) or None
+                message["content"] = text or None
+            if c.harmony is not None:
+                content, calls = c.harmony.result()
+                message["reasoning_content"], message["content"] = c.harmony.reasoning or None, content
+                if calls:
+                    message["tool_calls"] = calls
             if c.tools is not None:
                 content, calls = c.tools.result()
                 if calls:
@@ -67,12 +75,14 @@ async def stream(generation, events, first) -> AsyncIterator[bytes]:
                                                 "logprobs": None, "finish_reason": None}]})
         event = first
         while event is not None:
-            choice, delta, entries, out, finished, calls = event
-            if delta or entries or calls:
+            choice, delta, entries, out, finished, calls, reasoning = event
+            if delta or entries or calls or reasoning:
                 logprobs = _logprobs(generation, choice, entries, offsets[choice.index]) if prep.logprobs else None
                 if logprobs and not prep.chat:
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                 chunk = _chunk_choice(prep.chat, choice.index, delta, logprobs, None)
+                if reasoning:  # before the content in the delta, as it came first
+                    chunk["delta"] = {"reasoning_content": reasoning, **chunk["delta"]}
                 if calls:
                     chunk["delta"]["tool_calls"] = _tool_call_deltas(calls)
                 yield sse({**head, "choices": [chunk]})

@@ -204,6 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: variables for the chat template, e.g. {\"enable_thinking\": false}")
     # OpenAI parameters not supported yet: only their neutral values are accepted
     functions: list[dict[str, Any]] | None = Field(None, description="not supported: only null or []")
     function_call: Identifier | dict[str, Any] | None = Field(None, description="not supported: 'none' or null")
@@ -213,7 +215,7 @@ class ChatCompletionRequest(_SamplingFields):
     store: StrictBool | None = Field(None, description="not supported: only false")
     metadata: dict[str, StrictStr] | None = Field(None, description="not supported: only null or {}")
     service_tier: Identifier | None = Field(None, description="only 'auto' or 'default'")
-    reasoning_effort: Identifier | None = Field(None, description="not supported: only null")
+    reasoning_effort: Identifier | None = Field(None, description="gpt-oss: low, medium or high; else only null")
     verbosity: Identifier | None = Field(None, description="not supported: only null")
     web_search_options: dict[str, Any] | None = Field(None, description="not supported: only null")
     moderation: dict[str, Any] | None = Field(None, description="not supported: only null")
@@ -335,6 +337,7 @@ class ChatResponseMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: the model's thinking")
 
 
 class ChatChoice(BaseModel):

@@ -90,7 +90,8 @@ class ServeOptions:
     registry_url: str | None = None  # Redis where workers register (gateway --redis)
     worker_allow: tuple | None = None  # networks a registered worker's address must be in (None: the default list)
     replay_timeout: float = DEFAULT_REPLAY_TIMEOUT_S
-    tool_call_parser: str | None = None  # hermes | llama3_json; None: from the chat template (api/tools.py)
+    tool_call_parser: str | None = None  # config.TOOL_CALL_PARSERS; None: from the chat template (api/tools.py)
+    reasoning_parser: str | None = None  # config.REASONING_PARSERS; None: no reasoning split off (api/reasoning.py)
     allow_grammar: bool = True  # False (--no-grammar): the `grammar` kind of structured outputs is refused
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
@@ -509,8 +510,10 @@ async def _load_serving(state, opts: ServeOptions) -> None:
     from .serving import OpenAIServing
 
     tokenizer = await asyncio.to_thread(load_tokenizer, opts.model_path)
-    state.serving = OpenAIServing(state.router, tokenizer, opts.served_model_name, state.metrics,
-                                  tool_call_parser=opts.tool_call_parser, allow_grammar=opts.allow_grammar)
+    # on a thread: harmony's vocabulary may be written and loaded here (api/harmony.py: a second or so)
+    state.serving = await asyncio.to_thread(OpenAIServing, state.router, tokenizer, opts.served_model_name,
+                                            state.metrics, tool_call_parser=opts.tool_call_parser,
+                                            allow_grammar=opts.allow_grammar, reasoning_parser=opts.reasoning_parser)
     state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
 
 

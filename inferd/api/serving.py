@@ -7,6 +7,7 @@ place in the queue. Running it is inferd/api/generation.py's; the response shape
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 import uuid
@@ -17,11 +18,22 @@ from ..engine.request import SamplingParams
 from ..gateway.router import Router
 from ..models.tokenizer import Tokenizer
 from ..telemetry.metrics import Metrics
+from . import harmony
 from .errors import INVALID_REQUEST, APIError, invalid
+from .reasoning import constraint_after_reasoning, content_format, reasoning_enabled
 from .refusals import not_ready
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .template_kwargs import check_template_kwargs
 from .tokenizing import off_the_loop
-from .tools import FORMATS, ToolFormat, default_parser, render_messages, template_knows_tools, tool_constraint
+from .tools import (
+    FORMATS,
+    ToolFormat,
+    default_parser,
+    marker_tokens,
+    render_messages,
+    template_knows_tools,
+    tool_constraint,
+)
 
 
 # ---- a prepared request ------------------------------------------------------------------------------------------
@@ -42,6 +54,9 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_format: ToolFormat | None = None  # set when the output is parsed for tool calls
     tool_names: frozenset[str] = frozenset()  # the functions it may call (a call of another name is text)
+    reasoning: str | None = None  # the reasoning parser splitting its output (api/reasoning.py), if any
+    keep_special: frozenset[int] = frozenset()  # special tokens its text keeps (markers its parsers read)
+    harmony: bool = False  # its output is read as gpt-oss's harmony channels (api/harmony.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,7 +73,8 @@ class OpenAIServing:
     """Turns validated completion and chat requests into `Prepared` engine work (see the module's docstring)."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics,
-                 tool_call_parser: str | None = None, allow_grammar: bool = True):
+                 tool_call_parser: str | None = None, allow_grammar: bool = True,
+                 reasoning_parser: str | None = None):
         self.router = router
         # the free-form `grammar` kind of structured outputs (EBNF: the one whose cost a client controls most), server
         # wide (--no-grammar); a tenant may also be refused it (its keys-file entry's allow_grammar)
@@ -67,6 +83,10 @@ class OpenAIServing:
         template = getattr(tokenizer, "chat_template", None)
         self.native_tools = template_knows_tools(template)  # else: the fallback tool prompt (api/tools.py)
         self.tool_format = FORMATS[tool_call_parser or default_parser(template if self.native_tools else None)]
+        self.reasoning_parser = reasoning_parser
+        self.harmony = self._use_harmony(tool_call_parser, reasoning_parser, template)
+        if self.harmony:
+            self.tool_format, self.reasoning_parser = FORMATS["hermes"], None  # (harmony's parser does both)
         self.model_name = model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
@@ -74,6 +94,27 @@ class OpenAIServing:
         # whatever it tokenizes to, so it is refused before it costs any tokenizing
         vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer, "hf") else {}
         self.max_token_chars = max((len(t) for t in vocab), default=0) or 64
+
+    def _use_harmony(self, tool_call_parser: str | None, reasoning_parser: str | None, template: str | None) -> bool:
+        """Whether the harmony format is in effect: asked for, or (neither parser asked for) the template writes it.
+        Loads its vocabulary (offline: api/harmony.py), and what tells the model's tokens apart."""
+        asked = "harmony" in (tool_call_parser, reasoning_parser)
+        if asked and {tool_call_parser, reasoning_parser} - {"harmony", None}:
+            raise ValueError("--tool-call-parser harmony and --reasoning-parser harmony go together (harmony's "
+                             "channels carry both): give no other parser beside it")
+        if not asked and (tool_call_parser or reasoning_parser or not harmony.is_harmony_template(template)):
+            return False
+        try:
+            harmony.prepare(self.tokenizer)
+            harmony.encoding()
+        except harmony.HarmonyUnavailable as e:
+            if asked:
+                raise ValueError(str(e)) from None
+            logging.getLogger(__name__).warning("not using the harmony format for this harmony template: %s", e)
+            return False
+        self.harmony_same_vocab = harmony.same_vocabulary(self.tokenizer)
+        self.harmony_markers = frozenset(self.tokenizer.special_token_ids(harmony.MARKERS).values())
+        return True
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float,
                       allow_grammar: bool = True) -> Prepared:
@@ -138,10 +179,20 @@ class OpenAIServing:
         return self._prepare(False, "cmpl-", req, prompts, req.max_tokens, req.logprobs, received_at, spec)
 
     def prepare_chat(self, req: ChatCompletionRequest, received_at: float) -> Prepared:
+        effort = req.reasoning_effort
+        if self.harmony and effort is not None:
+            if effort not in harmony.EFFORTS:
+                raise invalid(f"reasoning_effort must be one of {', '.join(harmony.EFFORTS)}", param="reasoning_effort")
+            req = req.model_copy(update={"reasoning_effort": None})  # (supported here: not refused as unsupported)
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
         spec = self._constraint(req)
+        template_kwargs = check_template_kwargs(req.chat_template_kwargs,
+                                                getattr(self.tokenizer, "contains_special_text", None))
+        reasoning = self.reasoning_parser if reasoning_enabled(template_kwargs) else None
+        if self.harmony and spec is not None:  # the analysis channel stays free, the final one is constrained
+            spec = ("structural_tag", harmony.final_constraint(content_format(*spec)))
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if choice != "none" and not tools:
@@ -157,18 +208,31 @@ class OpenAIServing:
                 raise invalid("tools (with tool_choice other than none) and a response format constrain the same "
                               "output: give one of them", param="response_format")
             try:
-                text = tool_constraint(self.tool_format, tools, choice, req.parallel_tool_calls is not False)
+                if self.harmony:
+                    text = harmony.tool_constraint(tools, choice, req.parallel_tool_calls is not False)
+                else:
+                    text = tool_constraint(self.tool_format, tools, choice, req.parallel_tool_calls is not False)
             except Exception as e:
                 raise invalid(f"the tools cannot be compiled into a constraint: {e}", param="tools") from None
             spec = ("structural_tag", text)
             self._check_spec(spec, "tools")
             tool_format = self.tool_format
-        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt), tools)
+        if spec is not None and reasoning is not None:  # the thinking stays free; the answer is constrained
+            spec = constraint_after_reasoning(*spec, reasoning)
+            self._check_spec(spec, "tools" if tool_format is not None else "response_format")
+        prompt = self.chat_prompt(req.messages, bool(req.add_generation_prompt), tools, template_kwargs, effort)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at, spec)
         prep.tool_format = tool_format
         prep.tool_names = frozenset(t["function"]["name"] for t in tools)
+        prep.reasoning = reasoning
+        if self.harmony:
+            prep.harmony, prep.tool_format, prep.keep_special = True, None, self.harmony_markers
+            if tool_format is None:  # tool_choice none: a call written all the same is content
+                prep.tool_names = frozenset()
+        elif tool_format is not None:
+            prep.keep_special = marker_tokens(tool_format, self.tokenizer)
         return prep
 
     def _constraint(self, req) -> tuple[str, str] | None:
@@ -226,7 +290,8 @@ class OpenAIServing:
             raise invalid(str(e), param=param, code="invalid_structured_output") from None
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    reasoning_effort: str | None = None) -> list[int]:
         rendered = []
         check = getattr(self.tokenizer, "contains_special_text", None)
         for i, m in enumerate(messages):
@@ -244,6 +309,8 @@ class OpenAIServing:
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
             rendered.append(message)
+        if self.harmony:  # harmony renders the conversation, not the chat template
+            return harmony.render_prompt(self.tokenizer, rendered, tools, reasoning_effort, self.harmony_same_vocab)
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
             if self.native_tools:  # the template prints tools and calls outside the contents: no special tokens there
                 outside = json.dumps([tools, [m.get("tool_calls") for m in rendered]], ensure_ascii=False)
@@ -253,6 +320,8 @@ class OpenAIServing:
             rendered, kwargs = render_messages(rendered, tools, self.native_tools)
         else:
             kwargs = {}
+        if template_kwargs:
+            kwargs = {**template_kwargs, **kwargs}
         try:
             return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template that raises on this conversation (e.g. role order): the client's input

@@ -1,9 +1,14 @@
 """Tool calling: rendering tools into the prompt, constraining the calls, and parsing them back out (also while
 streaming).
 
-A tool-call format says how a model writes a call. Two are known (`--tool-call-parser`):
+A tool-call format says how a model writes a call. These are known (`--tool-call-parser`):
 - ``hermes``: ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>`` (Hermes, Qwen2.5/Qwen3);
-- ``llama3_json``: ``{"name": "NAME", "parameters": {...}}`` (Llama 3.1/3.2).
+- ``llama3_json``: ``{"name": "NAME", "parameters": {...}}`` (Llama 3.1/3.2);
+- ``mistral``: ``[TOOL_CALLS][{"name": "NAME", "arguments": {...}}, ...]`` (Mistral 7B v0.3, Mixtral), and the newer
+  ``[TOOL_CALLS]NAME[ARGS]{...}`` (Mistral Small 3.2, Magistral); the constraint writes the first form, one call per
+  ``[TOOL_CALLS]`` (``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens in Mistral's tokenizers: the text keeps them,
+  see `marker_tokens`);
+- ``harmony``: gpt-oss's channels, parsed by inferd/api/harmony.py, not here.
 The calls are constrained with xgrammar's structural tag for the format: with ``auto`` the text is free until the
 model opens a call, and the call itself then follows the function's parameters schema; with ``required`` at least one
 call is made; with a named function exactly that call. So the arguments of every call that completes validate against
@@ -49,6 +54,10 @@ class ToolFormat:
     end: tuple[str, ...]  # what closes a call after its arguments (its first non-space piece closes the call's object)
     separator: str  # between two calls when the output is calls only (tool_choice required)
     filler: str  # characters around calls that are not content (dropped when a call follows or precedes them)
+    alternatives: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()  # other (head, end) forms, same trigger
+    next_head: tuple[str, ...] = ()  # a list of calls: what opens the next call right after one ended (head's form)
+    list_end: tuple[str, ...] = ()  # ... and what closes the list
+    markers: tuple[str, ...] = ()  # special tokens the text must keep (the tokenizer would drop them)
 
     @property
     def trigger(self) -> str:
@@ -63,6 +72,11 @@ FORMATS = {
                          (WS, "}", WS, "</tool_call>"), "\n", " \t\r\n"),
     "llama3_json": ToolFormat("llama3_json", "llama", _OBJECT_HEAD + ('"parameters"', WS, ":", WS), (WS, "}"),
                               "; ", " \t\r\n;"),
+    "mistral": ToolFormat("mistral", "", ("[TOOL_CALLS]", WS, "[", WS) + _OBJECT_HEAD + ('"arguments"', WS, ":", WS),
+                          (WS, "}"), "", " \t\r\n",
+                          alternatives=((("[TOOL_CALLS]", WS, NAME, "[ARGS]", WS), ()),),
+                          next_head=(WS, ",", WS) + _OBJECT_HEAD + ('"arguments"', WS, ":", WS), list_end=(WS, "]"),
+                          markers=("[TOOL_CALLS]", "[ARGS]")),
 }
 DONE, MORE, NO = "done", "more", "no"
 
@@ -177,17 +191,41 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict] | None, na
 def tool_constraint(fmt: ToolFormat, tools: list[dict], tool_choice: Any, parallel: bool) -> str:
     """The structural tag (JSON text) that constrains the calls: tool_choice 'auto', 'required' or a named
     function ({'type': 'function', 'function': {'name': ...}})."""
-    import xgrammar
+    if fmt.xgrammar_model:
+        import xgrammar
 
-    tag = xgrammar.get_model_structural_tag(fmt.xgrammar_model, tools=tools,
-                                             tool_choice="auto" if tool_choice == "required" else tool_choice,
-                                             reasoning=False, parallel_tool_calls=parallel,
-                                             max_whitespace_cnt=JSON_MAX_WHITESPACE)
-    data = json.loads(tag.model_dump_json())
+        tag = xgrammar.get_model_structural_tag(fmt.xgrammar_model, tools=tools,
+                                                 tool_choice="auto" if tool_choice == "required" else tool_choice,
+                                                 reasoning=False, parallel_tool_calls=parallel,
+                                                 max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        data = json.loads(tag.model_dump_json())
+    else:
+        data = _mistral_tag(tools, tool_choice, parallel)
     if tool_choice == "required":  # calls only, at least one (xgrammar's "required" lets text run on after them)
         data["format"] = {"type": "tags_with_separator", "tags": data["format"]["tags"],
                           "separator": fmt.separator, "at_least_one": True, "stop_after_first": not parallel}
     return json.dumps(data)
+
+
+def _mistral_tag(tools: list[dict], tool_choice: Any, parallel: bool) -> dict:
+    """The structural tag of Mistral's calls (xgrammar has no builder for it): ``[TOOL_CALLS][{"name": "NAME",
+    "arguments": ARGS}]``, one call per trigger (parallel calls: one trigger after another)."""
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    tags = [{"type": "tag", "begin": '[TOOL_CALLS][{"name": ' + json.dumps(t["function"]["name"]) + ', "arguments": ',
+             "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {"type": "object"},
+                         "max_whitespace_cnt": JSON_MAX_WHITESPACE},
+             "end": "}]"}
+            for t in tools if named is None or t["function"]["name"] == named]
+    if named is not None:
+        return {"type": "structural_tag", "format": tags[0]}
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["[TOOL_CALLS]"], "tags": tags,
+                                                 "at_least_one": False, "stop_after_first": not parallel}}
+
+
+def marker_tokens(fmt: ToolFormat, tokenizer: Any) -> frozenset[int]:
+    """The ids of the format's markers that are special tokens of this tokenizer (decoding would drop them)."""
+    special = getattr(tokenizer, "special_token_ids", lambda _texts: {})(fmt.markers)
+    return frozenset(special.values())
 
 
 def new_call_id() -> str:
@@ -275,6 +313,7 @@ class ToolCallParser:
     _scan: _Scan = field(default_factory=_Scan)
     _held_space: str = ""  # whitespace not yet sent as content: dropped if a call follows it
     _after_call: bool = False  # a call just ended: the whitespace after it is no content either
+    _form: int = 0  # which of the format's forms the call being read has (0: head/end, k: alternatives[k - 1])
     content: str = ""
 
     def feed(self, text: str, final: bool = False) -> list[tuple]:
@@ -290,6 +329,8 @@ class ToolCallParser:
                 self._args(out)
             elif self._state == "end":
                 self._end()
+            elif self._state == "next":
+                self._next(out)
             if (self._state, len(self._buf)) == before:
                 break
         if final and self._buf:
@@ -347,10 +388,21 @@ class ToolCallParser:
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         self._emit_text(out, text)
 
+    def _head_match(self, heads: list[tuple[str, ...]]) -> tuple[str, int, str | None, int]:
+        """The first of heads that matches the buffer: (DONE, characters, name, which); MORE while one still
+        could; else NO."""
+        more = False
+        for which, head in enumerate(heads):
+            found, n, name = _match(head, self._buf, self.names)
+            if max(n, len(self._buf) if found == MORE else 0) > TOOL_CALL_MAX_HEAD_CHARS:
+                found = NO  # (a head that long is text however it arrives, in one piece or many)
+            if found == DONE:
+                return DONE, n, name, which
+            more = more or found == MORE
+        return (MORE if more else NO), 0, None, 0
+
     def _head(self, out: list) -> None:
-        found, n, name = _match(self.fmt.head, self._buf, self.names)
-        if max(n, len(self._buf) if found == MORE else 0) > TOOL_CALL_MAX_HEAD_CHARS:
-            found = NO  # (a head that long is text however it arrives, in one piece or many)
+        found, n, name, form = self._head_match([self.fmt.head] + [h for h, _ in self.fmt.alternatives])
         if found == MORE:
             return
         if found != DONE:  # not a call: its first character is text, and the rest is read again as text
@@ -359,12 +411,16 @@ class ToolCallParser:
             self._state = "text"
             return
         self._held_space, self._after_call = "", False  # whitespace before a call is not content
+        self._open_call(out, name, n, form)
+
+    def _open_call(self, out: list, name: str | None, n: int, form: int) -> None:
         call = ToolCall(len(self.calls), new_call_id(), name)
         self.calls.append(call)
         out.append(("call", call, "", True))
         self._buf = self._buf[n:]
         self._scan = _Scan()
         self._state = "args"
+        self._form = form
 
     def _args(self, out: list) -> None:
         if not self._buf:
@@ -380,17 +436,31 @@ class ToolCallParser:
             self._state = "end"
 
     def _end(self) -> None:
-        found, n, _ = _match(self.fmt.end, self._buf)
+        end = self.fmt.end if self._form == 0 else self.fmt.alternatives[self._form - 1][1]
+        found, n, _ = _match(end, self._buf)
         if found == MORE:
             return
         if found == NO:  # not the whole closing text: the call's closing brace (if there) is syntax, the rest text
-            closing = next(piece for piece in self.fmt.end if piece != WS)
+            closing = next(piece for piece in end if piece != WS)
             found, n, _ = _match((WS, closing), self._buf)
             if found != DONE:
                 n = 0
         self._buf = self._buf[n:]
-        self._state = "text"
+        self._state = "next" if self._form == 0 and self.fmt.next_head else "text"
         self._after_call = True
+
+    def _next(self, out: list) -> None:
+        """After a call in a list of calls: the next call of the list, the list's end, or (neither) text."""
+        found, n, name, _ = self._head_match([self.fmt.next_head])
+        if found == DONE:
+            self._open_call(out, name, n, 0)
+            return
+        closed, m, _ = _match(self.fmt.list_end, self._buf)
+        if MORE in (found, closed):
+            return
+        if closed == DONE:
+            self._buf = self._buf[m:]
+        self._state = "text"
 
     def result(self) -> tuple[str | None, list[dict]]:
         """(content, tool calls) once everything was fed (final=True): content is None when the answer is calls

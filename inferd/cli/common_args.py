@@ -43,6 +43,7 @@ from ..config import (
     MAX_QUEUE_TIMEOUT_S,
     MAX_REQUEST_BODY_BYTES,
     NEW_CONNECTION_IDLE_TIMEOUT_S,
+    REASONING_PARSERS,
     REDIS_LEASE_RENEW_S,
     REDIS_LEASE_S,
     TIERS,
@@ -87,7 +88,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 30d; 0: forever)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls (default: from its chat template; hermes for a template "
-                        "without tools, which then gets inferd's fallback tool prompt)")
+                        "without tools, which then gets inferd's fallback tool prompt; harmony for a gpt-oss "
+                        "template)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split the model's reasoning from its answer into message.reasoning_content (delta."
+                        "reasoning_content when streamed): deepseek_r1 (thinking until </think>, the prompt may have "
+                        "opened it), qwen3 (only inside <think>...</think>), harmony (gpt-oss's analysis channel); "
+                        "default: none (harmony for a gpt-oss template)")
     p.add_argument("--no-grammar", action="store_true",
                    help="refuse the free-form `grammar` kind of structured outputs (EBNF: structured_outputs.grammar, "
                         "guided_grammar), whose matching cost the client controls, from every tenant (a 400 "

@@ -227,6 +227,11 @@ class Tokenizer:
         message contents (tools, tool-call arguments) would be tokenized into that special token."""
         return self._special_re is not None and self._special_re.search(text) is not None
 
+    def special_token_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """{text: id} for those of texts that are special tokens of this tokenizer (tool-call and channel markers
+        that the text of an output must keep: IncrementalDetokenizer's keep_special_ids)."""
+        return {t: self._special_tokens[t][0] for t in texts if t in self._special_tokens}
+
     @property
     def chat_template(self) -> str | None:
         template = getattr(self.hf, "chat_template", None)
@@ -411,6 +416,11 @@ class Tokenizer:
         logger.warning("chat template transforms message contents unpredictably; tokenizing them untransformed")
         return plain
 
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Tokenize (text, is_content) pieces rendered by something other than the chat template (harmony): template
+        text with its special tokens parsed, content text with them split."""
+        return self._encode_segments(segments)
+
     def _encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
         """Tokenize template text with its special tokens parsed and content text with them split."""
         ids: list[int] = []
@@ -466,9 +476,12 @@ class IncrementalDetokenizer:
     _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first generated ones
     _COMPACT_AT = 64  # drop token ids before the window once this many have piled up
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 keep_special_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # special tokens written out all the same (markers a tool-call or channel parser reads: api/tools.py)
+        self.keep_special_ids = keep_special_ids if skip_special_tokens else frozenset()
         self._ids: list[int] = list(prompt_ids[-(self._PROMPT_CONTEXT + 1) :]) if len(prompt_ids) else []
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - self._PROMPT_CONTEXT, 0)
@@ -477,7 +490,21 @@ class IncrementalDetokenizer:
         self._text: str | None = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        if not ids:
+            return ""
+        keep = self.keep_special_ids
+        if not keep or keep.isdisjoint(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        pieces, run = [], []
+        for i in ids:
+            if i in keep:
+                pieces += [self.tokenizer.decode(run, skip_special_tokens=True) if run else "",
+                           self.tokenizer.decode([i], skip_special_tokens=False)]
+                run = []
+            else:
+                run.append(i)
+        pieces.append(self.tokenizer.decode(run, skip_special_tokens=True) if run else "")
+        return "".join(pieces)
 
     @property
     def text(self) -> str:

@@ -1,6 +1,6 @@
 """The tool-call parser (inferd/api/tools.py): the same content and calls whether the text arrives at once or a
-character at a time, for both formats; and the llama3_json format end to end in the engine (constrained by its
-structural tag, parsed, arguments validated)."""
+character at a time, for every format (mistral's constraint accepting what its parser reads); and the llama3_json
+format end to end in the engine (constrained by its structural tag, parsed, arguments validated)."""
 
 from __future__ import annotations
 
@@ -171,6 +171,10 @@ def llama(name: str, arguments: str) -> str:
     return f'{{"name": "{name}", "parameters": {arguments}}}'
 
 
+def mistral(name: str, arguments: str) -> str:
+    return f'[TOOL_CALLS][{{"name": "{name}", "arguments": {arguments}}}]'
+
+
 NESTED = '{"city": "}{ {Paris}", "opts": {"deep": {"x": [1, {"y": "}"}], "z": []}}, "n": -2}'
 ESCAPED = r'{"q": "say \"hi\" \\ {\"}", "p": "\\"}'
 UNICODE = '{"city": "Zürich 東京 🌧", "esc": "\\u00e9\\ud83c\\udf27"}'
@@ -240,7 +244,37 @@ UNUSUAL = {
     "llama null": case("llama3_json", llama("nothing", "null"), None, [("nothing", None)]),
     "llama text with braces": case("llama3_json", 'Use {"a": 1} or {name}', 'Use {"a": 1} or {name}', []),
     "llama unknown tool": case("llama3_json", llama("rm_rf", "{}"), llama("rm_rf", "{}"), []),
+    # mistral: a list of calls after [TOOL_CALLS] (what the grammar writes: one per list), or NAME[ARGS]{...}
+    "mistral one call": case("mistral", mistral("count", "7"), None, [("count", 7)]),
+    "mistral a list of two, text around": case(
+        "mistral", 'Sure. [TOOL_CALLS] [{"name": "say", "arguments": "]}"}, {"name":"count","arguments":{"n":[1]}}] ok',
+        "Sure. ok", [("say", "]}"), ("count", {"n": [1]})]),
+    "mistral two lists": case("mistral", mistral("say", '"a"') + mistral("count", "2"), None,
+                              [("say", "a"), ("count", 2)]),
+    "mistral the [ARGS] form": case("mistral", '[TOOL_CALLS]say[ARGS]"hi"[TOOL_CALLS]count[ARGS] {"n": 1}', None,
+                                    [("say", "hi"), ("count", {"n": 1})]),
+    "mistral an unknown tool": case("mistral", "[TOOL_CALLS]rm_rf[ARGS]{}", "[TOOL_CALLS]rm_rf[ARGS]{}", []),
+    "mistral a list cut after a call": case("mistral", '[TOOL_CALLS][{"name": "count", "arguments": 3}, {"na', None,
+                                            [("count", 3)]),
+    "mistral the marker and no call": case("mistral", "[TOOL_CALLS] none", "[TOOL_CALLS] none", []),
 }
+
+
+def test_the_mistral_constraint_writes_what_the_parser_reads():
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    auto = Grammar.from_structural_tag(tool_constraint(FORMATS["mistral"], [WEATHER, TIME], "auto", True))
+    call = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]'
+    assert _is_grammar_accept_string(auto, "Sure. " + call + '[TOOL_CALLS][{"name": "get_time", "arguments": '
+                                     '{"tz": "UTC"}}]')
+    assert not _is_grammar_accept_string(auto, call.replace("celsius", "kelvin"))  # the schema holds
+    named = tool_constraint(FORMATS["mistral"], [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
+                            True)
+    assert not _is_grammar_accept_string(Grammar.from_structural_tag(named), call)  # only the named function
+    required = Grammar.from_structural_tag(tool_constraint(FORMATS["mistral"], [WEATHER], "required", True))
+    assert _is_grammar_accept_string(required, call) and not _is_grammar_accept_string(required, "No.")
+    assert parse_in("mistral", [call])[1] == [("get_weather", '{"city": "Oslo", "unit": "celsius"}')]
 
 
 def chunkings(text: str):
