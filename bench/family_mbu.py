@@ -38,7 +38,7 @@ def save(family: str, path: Path) -> None:
 def profile(path: Path, out: Path, args) -> dict:
     subprocess.run([sys.executable, "-m", "inferd", "profile", "--model", str(path), "--dtype", args.dtype,
                     "--contexts", str(args.context), "--max-batch", "1", "--prefill", "64", "--mixed-batches", "",
-                    "--steps", str(args.steps), "--out", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    "--steps", str(args.steps), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
     data = json.loads((out / "profile.json").read_text())
     [point] = [p for p in data["points"] if p["kind"] == "decode" and p["batch"] == 1]
     return point
