@@ -135,6 +135,10 @@ WORKER_RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest pause before a crash
 # the gateway (inferd/gateway): quotas, the waiting line, admission
 TIERS = ("interactive", "standard", "batch")  # priority tiers, most important first (tier_rank = index)
 DEFAULT_TIER = "standard"
+# `--tier-shares`: each tier's nominal share of a worker's seats (running sequences) and of a step's prompt tokens;
+# a tier below its share lends the rest and takes it back at the next step (inferd/engine/tier_shares.py).
+# "strict" serves tiers in strict priority instead
+DEFAULT_TIER_SHARES = "interactive=70,standard=25,batch=5"
 DEFAULT_RATE_WINDOW_S = 60.0  # token buckets refill their whole capacity over this many seconds
 DEFAULT_QUEUE_TIMEOUT_S = {"interactive": 10.0, "standard": 30.0, "batch": 300.0}  # deadline to start, per tier
 MAX_QUEUE_TIMEOUT_S = 3600.0  # the most a request header may ask to wait

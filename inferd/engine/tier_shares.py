@@ -1,0 +1,133 @@
+"""Capacity shares between tiers: Kubernetes' API Priority and Fairness, for our three tiers.
+
+Each tier has a nominal share of a worker's seats (running sequences; in the gateway, the room a worker offers:
+max_num_seqs + worker_queue_depth). Seats are counted, not requests. The rule, used alike by the engine's scheduler
+(inferd/engine/scheduler.py), the gateway's dispatch (inferd/gateway/admission.py), the echo engine and the
+planner's simulation:
+
+- **Who gets the next free seat**: among the tiers with work waiting for one, the tier with the smallest
+  (seats held + 1) / share (the D'Hondt rule: seats end up proportional to the shares, to within one seat; ties go to
+  the more important tier). A tier with share 0 only ever takes seats nobody else waits for.
+- **Lending** is automatic: a free seat goes to whoever waits, so a tier below its share lends the rest and an idle
+  tier's capacity is never wasted.
+- **Reclaiming**: a tier below its share whose work finds no free seat takes one back from a tier that borrowed
+  (preemption in the engine; in the gateway, room beyond the worker's capacity that the engine then reclaims). Only
+  while the taker stays at or under its nominal seats and the lender at or over its own after the move, so two tiers
+  never trade one seat back and forth (a fraction of a seat is nobody's to reclaim; it goes by the D'Hondt order).
+- **Strict** (`--tier-shares strict`): the old rule. Tiers go in priority order, and any more important request
+  takes the seat of a less important one.
+
+Within a tier, the gateway's virtual token counters share it between tenants (inferd/gateway/waiting_queue.py).
+Pure: no torch, no asyncio, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..config import DEFAULT_TIER_SHARES, TIERS
+
+STRICT = "strict"
+_EPS = 1e-9  # seats are compared with real-valued nominal shares: 70% of 20 seats is 14, not 14.000000000000002
+
+
+@dataclass(frozen=True)
+class TierShares:
+    fractions: tuple[float, ...] | None  # per tier rank, summing to 1; None: strict priority
+
+    @classmethod
+    def parse(cls, text: str | None = None) -> TierShares:
+        """`strict`, or `interactive=70,standard=25,batch=5` (weights, normalised; an unnamed tier gets 0).
+        ValueError with a message that names what is wrong."""
+        text = (DEFAULT_TIER_SHARES if text is None else text).strip()
+        if text.lower() == STRICT:
+            return cls(None)
+        weights = [0.0] * len(TIERS)
+        seen: set[str] = set()
+        for part in text.split(","):
+            name, sep, value = part.partition("=")
+            name = name.strip().lower()
+            if not sep or name not in TIERS:
+                raise ValueError(f"tier shares must be 'strict' or like "
+                                 f"'{DEFAULT_TIER_SHARES}' (tiers: {', '.join(TIERS)}); got {part.strip()!r}")
+            if name in seen:
+                raise ValueError(f"tier {name!r} is given twice in the tier shares")
+            seen.add(name)
+            try:
+                weight = float(value)
+            except ValueError:
+                raise ValueError(f"the share of tier {name!r} must be a number, got {value.strip()!r}") from None
+            if not math.isfinite(weight) or weight < 0:
+                raise ValueError(f"the share of tier {name!r} must be a finite number >= 0, got {value.strip()!r}")
+            weights[TIERS.index(name)] = weight
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError("tier shares must give at least one tier a share above 0")
+        return cls(tuple(w / total for w in weights))
+
+    @property
+    def strict(self) -> bool:
+        return self.fractions is None
+
+    def __str__(self) -> str:
+        if self.fractions is None:
+            return STRICT
+        return ",".join(f"{tier}={round(100 * f, 4):g}" for tier, f in zip(TIERS, self.fractions))
+
+    def nominal(self, capacity: float) -> list[float]:
+        """Each tier's nominal seats out of capacity (real-valued); strict: every tier may hold all of them."""
+        if self.fractions is None:
+            return [float(capacity)] * len(TIERS)
+        return [capacity * f for f in self.fractions]
+
+    def next_tier(self, held: Sequence[int], candidates: Iterable[int]) -> int | None:
+        """Among the tiers (ranks) with work waiting for a seat, the one the next free seat goes to. held: seats
+        each tier holds now."""
+        candidates = list(candidates)
+        if not candidates:
+            return None
+        if self.fractions is None:
+            return min(candidates)
+        fractions = self.fractions
+        return min(candidates, key=lambda t: ((held[t] + 1) / fractions[t] if fractions[t] > 0 else math.inf, t))
+
+    def tier_order(self, held: Sequence[int], candidates: Iterable[int]) -> list[int]:
+        """The candidates in the order next_tier would serve them, each as if it were next (for a scheduler that
+        tries the following tier when one cannot be placed)."""
+        remaining = list(candidates)
+        order = []
+        while remaining:
+            t = self.next_tier(held, remaining)
+            order.append(t)
+            remaining.remove(t)
+        return order
+
+    def may_reclaim(self, held: Sequence[int], tier: int, capacity: float, seats: int = 1) -> bool:
+        """Whether `tier` may take `seats` seats back from borrowers: it stays at or under its nominal seats.
+        Strict: always (from less important tiers only; see may_lend)."""
+        if self.fractions is None:
+            return True
+        return held[tier] + seats <= capacity * self.fractions[tier] + _EPS
+
+    def may_lend(self, held: Sequence[int], tier: int, capacity: float, taker: int, seats: int = 1) -> bool:
+        """Whether a seat of `tier` may be taken for `taker`: strict, when taker is more important; with shares,
+        when `tier` stays at or over its nominal seats after giving `seats` back (it borrowed them)."""
+        if self.fractions is None:
+            return taker < tier
+        return tier != taker and held[tier] - seats >= capacity * self.fractions[tier] - _EPS
+
+    def borrowed(self, held: Sequence[int], capacity: float) -> list[float]:
+        """Seats each tier holds beyond its nominal share (0 where it holds less); strict: all 0."""
+        if self.fractions is None:
+            return [0.0] * len(TIERS)
+        return [max(0.0, h - n) for h, n in zip(held, self.nominal(capacity))]
+
+
+def tier_counts(ranks: Iterable[int]) -> list[int]:
+    """Seats per tier rank, from the ranks of the sequences holding them."""
+    counts = [0] * len(TIERS)
+    for rank in ranks:
+        counts[min(max(rank, 0), len(TIERS) - 1)] += 1
+    return counts
