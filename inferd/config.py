@@ -139,6 +139,11 @@ DEFAULT_TIER = "standard"
 # a tier below its share lends the rest and takes it back at the next step (inferd/engine/tier_shares.py).
 # "strict" serves tiers in strict priority instead
 DEFAULT_TIER_SHARES = "interactive=70,standard=25,batch=5"
+# `--lower-tier-prefill-tokens`: while a more important tier has work (or had some within TIER_ACTIVE_WINDOW_S: it
+# may arrive), a tier computes at most its share of a step's token budget in prompt tokens, and at least this many:
+# an interactive request that arrives mid-step waits for that step, so a step holding batch prefill stays short
+DEFAULT_LOWER_TIER_PREFILL_TOKENS = 32
+TIER_ACTIVE_WINDOW_S = 10.0
 DEFAULT_RATE_WINDOW_S = 60.0  # token buckets refill their whole capacity over this many seconds
 DEFAULT_QUEUE_TIMEOUT_S = {"interactive": 10.0, "standard": 30.0, "batch": 300.0}  # deadline to start, per tier
 MAX_QUEUE_TIMEOUT_S = 3600.0  # the most a request header may ask to wait
@@ -241,6 +246,9 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # capacity shares between tiers (inferd/engine/tier_shares.py), or "strict" priority
+    tier_shares: str = DEFAULT_TIER_SHARES
+    lower_tier_prefill_tokens: int = DEFAULT_LOWER_TIER_PREFILL_TOKENS
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     # incremental text on every output (offline use, the CLI); a worker sends token ids only and leaves text to the

@@ -35,6 +35,7 @@ from ..config import (
     DEFAULT_SSE_KEEPALIVE_S,
     DEFAULT_SSE_WRITE_TIMEOUT_S,
     DEFAULT_TENANT_QUEUE_SHARE,
+    DEFAULT_TIER_SHARES,
     DEFAULT_WORKER_QUEUE_DEPTH,
     HTTP_KEEP_ALIVE_S,
     KEYS_POLL_S,
@@ -74,6 +75,7 @@ class ServeOptions:
     max_queue_requests: int = DEFAULT_MAX_QUEUE_REQUESTS
     max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS
     fairness: str = "vtc"
+    tier_shares: str = DEFAULT_TIER_SHARES  # the gateway's (serve: its workers' too)
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
     sse_keepalive: float = DEFAULT_SSE_KEEPALIVE_S
     sse_write_timeout: float = DEFAULT_SSE_WRITE_TIMEOUT_S
@@ -161,7 +163,7 @@ async def _serve(opts: ServeOptions, sock: socket.socket) -> int:
     share = opts.tenant_queue_share if keys is not None else 1.0
     gateway = Gateway(router, limiter, GatewayOptions(opts.max_queue_requests, opts.max_queue_tokens,
                                                       opts.queue_timeout, opts.fairness, opts.worker_queue_depth,
-                                                      tenant_queue_share=share),
+                                                      tenant_queue_share=share, tier_shares=opts.tier_shares),
                       metrics)
     gateway.failover.timeout = opts.replay_timeout
     state = ServerState(router, metrics, opts.served_model_name, opts.api_key, opts.max_body_bytes, gateway=gateway,
@@ -268,7 +270,8 @@ class _EmbeddingBackend:
         self.router = Router()
         self.gateway = Gateway(self.router, limiter, GatewayOptions(
             opts.max_queue_requests, opts.max_queue_tokens, opts.queue_timeout, opts.fairness,
-            opts.worker_queue_depth, tenant_queue_share=opts.tenant_queue_share if opts.keys_path else 1.0), None)
+            opts.worker_queue_depth, tenant_queue_share=opts.tenant_queue_share if opts.keys_path else 1.0,
+            tier_shares=opts.tier_shares), None)
         self.gateway.failover.timeout = opts.replay_timeout
         if spec.worker_args is not None:
             from ..cluster.pool import WorkerPool

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import (
+    DEFAULT_LOWER_TIER_PREFILL_TOKENS,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
     DEFAULT_NUM_DRAFT,
     DEFAULT_SPECULATIVE_MAX_BATCH,
+    DEFAULT_TIER_SHARES,
     GRAMMAR_COMPILE_PROCESSES,
     GRAMMAR_COMPILE_TIMEOUT_S,
     GRAMMAR_MASK_BUDGET_MS_PER_STEP,
@@ -27,9 +29,10 @@ from ..config import (
     KV_DTYPES,
     MAX_NUM_DRAFT,
     SPECULATIVE_METHODS,
+    TIER_ACTIVE_WINDOW_S,
     EngineConfig,
 )
-from .types import parse_bytes, positive_float, positive_int
+from .types import parse_bytes, positive_float, positive_int, tier_shares_arg
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -74,6 +77,13 @@ ENGINE_FLAGS = (
     Flag("max_model_len", "--max-model-len", "context window (default: the model's)", int),
     Flag("max_num_seqs", "--max-num-seqs", "running sequences per step", int),
     Flag("max_num_batched_tokens", "--max-num-batched-tokens", "token budget of one step", int),
+    Flag("tier_shares", "--tier-shares", "each tier's nominal share of the seats (running sequences) and of a step's "
+         "prompt tokens; a tier below its share lends the rest and takes it back at the next step (default "
+         f"{DEFAULT_TIER_SHARES}); strict: tiers in strict priority (the gateway of `inferd serve` uses it too)",
+         tier_shares_arg, metavar="TIER=SHARE,...|strict"),
+    Flag("lower_tier_prefill_tokens", "--lower-tier-prefill-tokens", "while a more important tier has work or had "
+         f"some in the last {TIER_ACTIVE_WINDOW_S:g} s, a tier's prompt tokens per step are held to its share of the "
+         f"step's budget, and at least this many (default {DEFAULT_LOWER_TIER_PREFILL_TOKENS})", positive_int),
     Flag("enable_prefix_caching", "--no-prefix-caching", switch=True),
     Flag("tensor_parallel", "--tensor-parallel", "split each layer over N processes (devices); N must divide the "
          "heads, KV heads and MLP size", int, metavar="N"),

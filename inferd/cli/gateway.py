@@ -7,9 +7,10 @@ import argparse
 import os
 import sys
 
-from ..config import DEFAULT_WORKER_ALLOW
+from ..config import DEFAULT_TIER_SHARES, DEFAULT_WORKER_ALLOW
 from .common_args import add_embedding_model_arg, add_server_args, worker_allow
 from .server import embedding_models, run_http_server
+from .types import tier_shares_arg
 
 
 def register(sub) -> None:
@@ -23,6 +24,9 @@ def register(sub) -> None:
     add_embedding_model_arg(gw, remote=True)
     gw.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
                     help="an embedding worker of the (one) --embedding-model to connect to (repeat for several)")
+    gw.add_argument("--tier-shares", type=tier_shares_arg, default=DEFAULT_TIER_SHARES, metavar="TIER=SHARE,...|strict",
+                    help="each tier's nominal share of a worker's room, as the workers' own --tier-shares (default "
+                    f"{DEFAULT_TIER_SHARES}); strict: tiers in strict priority")
     gw.add_argument("--worker-allow", type=worker_allow, default=",".join(DEFAULT_WORKER_ALLOW), metavar="CIDR,...",
                     help="with --redis: the networks a registered worker's address must be in, or it is never "
                     "connected to (default: loopback and private ranges; not link-local or public addresses)")

@@ -49,6 +49,7 @@ def run_http_server(args: argparse.Namespace, model_path: str, **backend) -> int
                         queue_timeout=args.queue_timeout,
                         max_queue_requests=args.max_queue_requests, max_queue_tokens=args.max_queue_tokens,
                         fairness=args.fairness, worker_queue_depth=args.worker_queue_depth,
+                        tier_shares=args.tier_shares,
                         sse_keepalive=args.sse_keepalive, replay_timeout=args.replay_timeout, autoscale=autoscale,
                         sse_write_timeout=args.sse_write_timeout, tenant_queue_share=args.tenant_queue_share,
                         limit_concurrency=args.limit_concurrency, http_head_timeout=args.http_head_timeout,

@@ -56,3 +56,14 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def tier_shares_arg(text: str) -> str:
+    """`interactive=70,standard=25,batch=5` or `strict`, checked (inferd/engine/tier_shares.py) and written out
+    canonically."""
+    from ..engine.tier_shares import TierShares
+
+    try:
+        return str(TierShares.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -43,6 +43,7 @@ from .runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import NgramProposer, accept_drafts, check_speculative
+from .tier_shares import TierShares
 
 log = logging.getLogger("inferd.engine")
 GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a grammar being compiled before it returns
@@ -153,7 +154,8 @@ class Engine:
         self.kv_cache = KVCacheManager([g.num_blocks - (1 if g.window else graphs is not None) for g in self.kv_groups],
                                        config.block_size, config.enable_prefix_caching,
                                        [g.window for g in self.kv_groups])
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   TierShares.parse(config.tier_shares), config.lower_tier_prefill_tokens)
         # set either way: the mode lives in the model's layers, and a model may be handed to another engine
         batch_invariant.enable(model, config.batch_invariant)
         self.parallel = parallel
@@ -336,6 +338,8 @@ class Engine:
                               kv_num_blocks=pool.num_blocks,
                               prefix_cache_hits=kv.stats.hits, prefix_cache_queries=kv.stats.queries,
                               num_preemptions=scheduler.num_preemptions, num_steps=stats.num_steps,
+                              running_by_tier=tuple(scheduler.seats_by_tier()),
+                              preemptions_by_tier=tuple(scheduler.preemptions_by_tier),
                               busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,
                               last_decode_tokens=decode, last_bytes=nbytes, last_flops=flops,
                               last_draft_tokens=stats.last_spec[0], last_accepted_tokens=stats.last_spec[1])

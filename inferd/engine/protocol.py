@@ -41,6 +41,8 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     num_preemptions: int = 0
     num_steps: int = 0
+    running_by_tier: tuple[int, ...] = (0, 0, 0)  # running sequences per tier rank (config.TIERS)
+    preemptions_by_tier: tuple[int, ...] = (0, 0, 0)  # requests of each tier preempted so far
     busy: bool = False  # has unfinished requests
     # the latest step: prefill and decode tokens it ran (speculative rows count as decode), bytes read and FLOPs
     # (inferd/telemetry/roofline.py), draft tokens verified and accepted

@@ -11,15 +11,34 @@ Priority preemption: a worker full of less important work still has room for a m
 head of the line finds no sequence slot or no KV room, running requests strictly less important than it are
 preempted the same way (same victim order, same recompute path) until it fits, but only if that makes it fit:
 work is never thrown away for a head that would wait anyway, and never for an equal or less important one.
+
+That is `--tier-shares strict`. By default the tiers (a request's priority is its tier rank) share the seats
+(running sequences) by inferd/engine/tier_shares.py: a free seat goes to the tier furthest below its own seats, then
+to the most important tier that waits; a tier below its own seats takes one back from a tier that borrowed (the same
+preemption by recompute); a tier whose head cannot be placed does not stop the others. Step tokens are shared too:
+while a more important tier has work (or had some within TIER_ACTIVE_WINDOW_S), a tier's prompt tokens per step are
+held to its share of the budget (at least lower_tier_prefill_tokens), and the rows a tier holds beyond its own seats
+sit out the step of a more important tier's prefill, so an arriving interactive request never waits behind a long
+step of borrowed work.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import DEFAULT_LOWER_TIER_PREFILL_TOKENS, TIER_ACTIVE_WINDOW_S, TIERS
 from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
+from .tier_shares import TierShares, tier_counts
+
+
+def tier_of(r: Request) -> int:
+    """The request's tier rank (its priority, clamped to the tiers there are)."""
+    return min(max(r.params.priority, 0), len(TIERS) - 1)
 
 
 @dataclass
@@ -53,7 +72,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 tier_shares: TierShares | None = None,
+                 lower_tier_prefill_tokens: int = DEFAULT_LOWER_TIER_PREFILL_TOKENS,
+                 clock: Callable[[], float] = time.monotonic):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
@@ -61,10 +83,19 @@ class Scheduler:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.shares = tier_shares if tier_shares is not None else TierShares.parse()
+        self.lower_tier_prefill_tokens = lower_tier_prefill_tokens
+        self.clock = clock
         self.waiting: list[Request] = []  # sorted by (priority, arrival_seq)
         self.running: list[Request] = []  # in admission order
         self._admissions = 0
         self.num_preemptions = 0
+        self.preemptions_by_tier = [0] * len(TIERS)
+        self._last_active = [-math.inf] * len(TIERS)  # per tier: when it last had a request here (clock)
+
+    def seats_by_tier(self) -> list[int]:
+        """Running sequences per tier."""
+        return tier_counts(tier_of(r) for r in self.running)
 
     @staticmethod
     def _line_key(r: Request) -> tuple[int, int]:
@@ -97,6 +128,11 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.shares.strict:
+            return self._schedule_strict()
+        return self._schedule_shared()
+
+    def _schedule_strict(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -110,6 +146,7 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             victim.num_preemptions += 1
             self.num_preemptions += 1
+            self.preemptions_by_tier[tier_of(victim)] += 1
             bisect.insort(self.waiting, victim, key=self._line_key)
             preempted.append(victim)
 
@@ -118,15 +155,7 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         # speculative drafts ride on a decode only with budget beyond one token for every decode (never at the
         # cost of another sequence's decode) and only where the KV room is there without preempting anyone
-        draft_budget = budget - len(decoding)
-        for req in decoding:
-            if not req.draft_token_ids or req.status != RequestStatus.RUNNING or draft_budget <= 0:
-                continue
-            k = min(len(req.draft_token_ids), draft_budget)
-            if self.kv.allocate(req, 1 + k):
-                scheduled[req.request_id] = ScheduledRequest(req, 1 + k, k)
-                budget -= 1 + k
-                draft_budget -= k
+        budget = self._schedule_drafts(decoding, budget, scheduled)
         # a more important request in prefill (running with prompt left, or the head of the line): the decodes and
         # prefill chunks of less important requests sit this step out, so that its first token does not wait for a step
         # that also runs theirs (the batch tier yields to interactive). They run again in this very step if that request
@@ -186,6 +215,189 @@ class Scheduler:
         if held and not any(s.num_tokens > 1 and s.request.params.priority < max(r.params.priority for r in held)
                             for s in scheduled.values()):
             run(held)  # the more important prefill did not get in: the held decodes go after all
+        return self._output(scheduled, preempted)
+
+    def _schedule_drafts(self, decoding: list[Request], budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Schedules the decodes that carry drafts (decode + drafts); returns the budget left."""
+        draft_budget = budget - len(decoding)
+        for req in decoding:
+            if not req.draft_token_ids or req.status != RequestStatus.RUNNING or draft_budget <= 0:
+                continue
+            k = min(len(req.draft_token_ids), draft_budget)
+            if self.kv.allocate(req, 1 + k):
+                scheduled[req.request_id] = ScheduledRequest(req, 1 + k, k)
+                budget -= 1 + k
+                draft_budget -= k
+        return budget
+
+    def _schedule_shared(self) -> SchedulerOutput:
+        """One step under capacity shares (the module's docstring)."""
+        shares, seats = self.shares, self.max_num_seqs
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+        held = self.seats_by_tier()
+        now = self.clock()
+        for r in self.running + self.waiting:
+            self._last_active[tier_of(r)] = now
+        # prompt tokens each tier may still compute this step: its share of the budget while a more important tier
+        # is active (has work, or had within the window: it may arrive), else no bound
+        active = [now - t <= TIER_ACTIVE_WINDOW_S for t in self._last_active]
+        prefill_left = [self.max_num_batched_tokens] * len(TIERS)
+        assert shares.fractions is not None
+        for t, fraction in enumerate(shares.fractions):
+            if any(active[:t]):
+                prefill_left[t] = max(math.floor(fraction * budget), self.lower_tier_prefill_tokens)
+        victim_tiers: set[int] = set()  # tiers of the requests preempted this step
+        shortage = False  # a running request found no block this step
+
+        def preempt(victim: Request) -> None:
+            nonlocal budget
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_tokens
+            self.running.remove(victim)
+            self.kv.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.preemptions_by_tier[tier_of(victim)] += 1
+            held[tier_of(victim)] -= 1
+            victim_tiers.add(tier_of(victim))
+            bisect.insort(self.waiting, victim, key=self._line_key)
+            preempted.append(victim)
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        budget = self._schedule_drafts(decoding, budget, scheduled)
+        # the rows a tier holds beyond its own seats (its latest admitted) sit out the step of a more important
+        # tier's prefill (running with prompt left, or waiting), and run after all if that prefill does not get in
+        pending = [tier_of(r) for r in prefilling + self.waiting]
+        urgent = min(pending, default=None)
+        held_rows: list[Request] = []
+        if urgent is not None:
+            own = shares.own_seats(seats)
+            for t in range(urgent + 1, len(TIERS)):
+                rows = sorted((r for r in self.running if tier_of(r) == t), key=lambda r: r.admitted_seq)
+                held_rows += [r for r in rows[own[t]:] if r.request_id not in scheduled]
+        if held_rows:
+            decoding = [r for r in decoding if r not in held_rows]
+            prefilling = [r for r in prefilling if r not in held_rows]
+
+        def run(reqs: list[Request]) -> None:
+            nonlocal budget, shortage
+            for req in reqs:
+                if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in scheduled:
+                    continue
+                t = tier_of(req)
+                left = req.num_tokens - req.num_computed_tokens
+                n = min(left, budget) if left == 1 else min(left, budget, prefill_left[t])
+                if n <= 0:
+                    continue
+                while not self.kv.allocate(req, n):
+                    # a block shortage: the victim is the newest of a tier that holds more than its own seats,
+                    # least important first; failing that, as strict
+                    victim = max(self.running, key=lambda r: (shares.may_lend(held, tier_of(r), seats, t),
+                                                              r.params.priority, r.admitted_seq))
+                    shortage = True
+                    preempt(victim)
+                    if victim is req:
+                        break
+                else:
+                    scheduled[req.request_id] = ScheduledRequest(req, n)
+                    budget -= n
+                    if left > 1:
+                        prefill_left[t] -= n
+
+        run(decoding + prefilling)
+
+        # waiting: the next seat goes to the tier the shares name (FCFS inside a tier); a tier whose head gets no
+        # seat, no KV room or no prompt tokens this step is passed over, the others go on. A tier preempted this
+        # step is not admitted again in it (it would trade places), and after a block shortage only tiers below
+        # their own seats are
+        blocked: set[int] = set()
+        while budget > 0:
+            heads: dict[int, Request] = {}
+            for r in self.waiting:
+                t = tier_of(r)
+                if t not in heads and t not in blocked:
+                    heads[t] = r
+            t = shares.next_tier(held, heads, seats)
+            if t is None:
+                break
+            req = heads[t]
+            if prefill_left[t] <= 0 or t in victim_tiers or (shortage and not shares.may_reclaim(held, t, seats)):
+                blocked.add(t)
+                continue
+            hits = self.kv.match_prefix(req)
+            n = min(req.num_tokens - len(hits) * self.kv.block_size, budget, prefill_left[t])
+            if len(self.running) >= seats or not self.kv.admit(req, hits, n):
+                victims = self._victims_to_reclaim(req, hits, budget, scheduled, held)
+                if not victims:
+                    blocked.add(t)
+                    continue
+                for victim in victims:
+                    preempt(victim)
+                continue  # the budget may have grown by the victims' tokens: size the chunk again
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.admitted_seq = self._admissions
+            self._admissions += 1
+            self.running.append(req)
+            held[t] += 1
+            scheduled[req.request_id] = ScheduledRequest(req, n)
+            budget -= n
+            prefill_left[t] -= n
+
+        if held_rows and not any(s.num_tokens > 1 and tier_of(s.request) < max(tier_of(r) for r in held_rows)
+                                 for s in scheduled.values()):
+            run(held_rows)  # no more important prefill got in: the held rows go after all
+        return self._output(scheduled, preempted)
+
+    def _victims_to_reclaim(self, req: Request, hits: list[int], budget: int,
+                            scheduled: dict[str, ScheduledRequest], held: list[int]) -> list[Request]:
+        """Under shares: the running requests to preempt so that waiting req gets a seat and KV room for its first
+        chunk, taken from tiers that hold more than their own (least important first, newest first), and only while
+        req's tier stays within its own. What is short decides what is counted: seats when every seat is taken,
+        else KV blocks (a tier's share of the pool, so that a few long sequences of one tier cannot hold the whole
+        cache against a tier below its share). Empty when that cannot make room."""
+        shares, seats, t = self.shares, self.max_num_seqs, tier_of(req)
+        assert shares.fractions is not None
+        seat_short = len(self.running) >= seats
+        if seat_short:
+            if not shares.may_reclaim(held, t, seats):
+                return []
+            after = list(held)
+        else:
+            pool = self.kv.pools[0].num_blocks
+            after = [0] * len(TIERS)
+            for r in self.running:
+                after[tier_of(r)] += len(r.block_ids)
+            if after[t] >= shares.fractions[t] * pool:
+                return []
+        chosen: list[Request] = []
+        num_cached = len(hits) * self.kv.block_size
+
+        def lends(r: Request) -> bool:
+            v = tier_of(r)
+            if seat_short:
+                return shares.may_lend(after, v, seats, t)
+            return v != t and after[v] - len(r.block_ids) >= shares.fractions[v] * pool
+
+        while True:
+            lenders = [r for r in self.running if r not in chosen and lends(r)]
+            if not lenders:
+                return []
+            victim = max(lenders, key=lambda r: (tier_of(r), r.admitted_seq))
+            chosen.append(victim)
+            after[tier_of(victim)] -= 1 if seat_short else len(victim.block_ids)
+            if victim.request_id in scheduled:
+                budget += scheduled[victim.request_id].num_tokens
+            n = min(req.num_tokens - num_cached, budget)
+            if len(self.running) - len(chosen) < seats and self.kv.fits_after_freeing(req, hits, n, chosen):
+                return chosen
+
+    @staticmethod
+    def _output(scheduled: dict[str, ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput(preempted=preempted)
         # one-token chunks (decodes) first, shortest context first: the runner batches their attention in groups
         # of similar length

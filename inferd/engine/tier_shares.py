@@ -1,19 +1,18 @@
 """Capacity shares between tiers: Kubernetes' API Priority and Fairness, for our three tiers.
 
 Each tier has a nominal share of a worker's seats (running sequences; in the gateway, the room a worker offers:
-max_num_seqs + worker_queue_depth). Seats are counted, not requests. The rule, used alike by the engine's scheduler
-(inferd/engine/scheduler.py), the gateway's dispatch (inferd/gateway/admission.py), the echo engine and the
-planner's simulation:
+max_num_seqs + worker_queue_depth). Seats are counted, not requests. A tier's *own seats* are its nominal share
+rounded up (70/25/5 of 64 seats: 45, 16 and 4), so a tier with a positive share always has at least one and never
+starves. The rule, used alike by the engine's scheduler (inferd/engine/scheduler.py), the gateway's dispatch
+(inferd/gateway/admission.py), the echo engine and the planner's simulation:
 
-- **Who gets the next free seat**: among the tiers with work waiting for one, the tier with the smallest
-  (seats held + 1) / share (the D'Hondt rule: seats end up proportional to the shares, to within one seat; ties go to
-  the more important tier). A tier with share 0 only ever takes seats nobody else waits for.
-- **Lending** is automatic: a free seat goes to whoever waits, so a tier below its share lends the rest and an idle
-  tier's capacity is never wasted.
-- **Reclaiming**: a tier below its share whose work finds no free seat takes one back from a tier that borrowed
-  (preemption in the engine; in the gateway, room beyond the worker's capacity that the engine then reclaims). Only
-  while the taker stays at or under its nominal seats and the lender at or over its own after the move, so two tiers
-  never trade one seat back and forth (a fraction of a seat is nobody's to reclaim; it goes by the D'Hondt order).
+- **Who gets the next free seat**: first the tiers below their own seats, the least filled (seats held / nominal
+  seats) first, ties to the more important; then, once every tier that waits holds its own, the most important tier
+  that waits. So a tier below its share lends the rest, an idle tier's capacity is never wasted, and what is lent goes
+  to the more important work first.
+- **Reclaiming**: a tier below its own seats whose work finds no free seat takes one back from a tier that holds more
+  than its own (preemption in the engine; in the gateway, room beyond the worker's capacity, which the engine then
+  reclaims). The lender keeps at least its own seats, so two tiers never trade one seat back and forth.
 - **Strict** (`--tier-shares strict`): the old rule. Tiers go in priority order, and any more important request
   takes the seat of a less important one.
 
@@ -82,7 +81,11 @@ class TierShares:
             return [float(capacity)] * len(TIERS)
         return [capacity * f for f in self.fractions]
 
-    def next_tier(self, held: Sequence[int], candidates: Iterable[int]) -> int | None:
+    def own_seats(self, capacity: float) -> list[int]:
+        """Each tier's own seats: its nominal seats rounded up (0 only for a share of 0); strict: all of them."""
+        return [math.ceil(n - _EPS) for n in self.nominal(capacity)]
+
+    def next_tier(self, held: Sequence[int], candidates: Iterable[int], capacity: float) -> int | None:
         """Among the tiers (ranks) with work waiting for a seat, the one the next free seat goes to. held: seats
         each tier holds now."""
         candidates = list(candidates)
@@ -90,39 +93,42 @@ class TierShares:
             return None
         if self.fractions is None:
             return min(candidates)
-        fractions = self.fractions
-        return min(candidates, key=lambda t: ((held[t] + 1) / fractions[t] if fractions[t] > 0 else math.inf, t))
+        nominal, own = self.nominal(capacity), self.own_seats(capacity)
+        under = [t for t in candidates if held[t] < own[t]]
+        if under:
+            return min(under, key=lambda t: (held[t] / nominal[t], t))
+        return min(candidates)
 
-    def tier_order(self, held: Sequence[int], candidates: Iterable[int]) -> list[int]:
+    def tier_order(self, held: Sequence[int], candidates: Iterable[int], capacity: float) -> list[int]:
         """The candidates in the order next_tier would serve them, each as if it were next (for a scheduler that
         tries the following tier when one cannot be placed)."""
         remaining = list(candidates)
         order = []
         while remaining:
-            t = self.next_tier(held, remaining)
+            t = self.next_tier(held, remaining, capacity)
             order.append(t)
             remaining.remove(t)
         return order
 
     def may_reclaim(self, held: Sequence[int], tier: int, capacity: float, seats: int = 1) -> bool:
-        """Whether `tier` may take `seats` seats back from borrowers: it stays at or under its nominal seats.
-        Strict: always (from less important tiers only; see may_lend)."""
+        """Whether `tier` may take `seats` seats back from lenders: it stays within its own seats. Strict: always
+        (from less important tiers only; see may_lend)."""
         if self.fractions is None:
             return True
-        return held[tier] + seats <= capacity * self.fractions[tier] + _EPS
+        return held[tier] + seats <= self.own_seats(capacity)[tier]
 
     def may_lend(self, held: Sequence[int], tier: int, capacity: float, taker: int, seats: int = 1) -> bool:
-        """Whether a seat of `tier` may be taken for `taker`: strict, when taker is more important; with shares,
-        when `tier` stays at or over its nominal seats after giving `seats` back (it borrowed them)."""
+        """Whether `seats` seats of `tier` may be taken for `taker`: strict, when taker is more important; with
+        shares, when `tier` still holds its own seats after giving them back (they were borrowed)."""
         if self.fractions is None:
             return taker < tier
-        return tier != taker and held[tier] - seats >= capacity * self.fractions[tier] - _EPS
+        return tier != taker and held[tier] - seats >= self.own_seats(capacity)[tier]
 
-    def borrowed(self, held: Sequence[int], capacity: float) -> list[float]:
-        """Seats each tier holds beyond its nominal share (0 where it holds less); strict: all 0."""
+    def borrowed(self, held: Sequence[int], capacity: float) -> list[int]:
+        """Seats each tier holds beyond its own (0 where it holds fewer); strict: all 0."""
         if self.fractions is None:
-            return [0.0] * len(TIERS)
-        return [max(0.0, h - n) for h, n in zip(held, self.nominal(capacity))]
+            return [0] * len(TIERS)
+        return [max(0, h - n) for h, n in zip(held, self.own_seats(capacity))]
 
 
 def tier_counts(ranks: Iterable[int]) -> list[int]:

@@ -7,9 +7,13 @@ comes from the drain rate. A waiting request leaves the queue when a worker has 
 worker), or at its deadline with QueueTimeout, having cost no GPU time. `Ticket.finish` settles the quota with the
 tokens really used and frees the worker's room, which dispatches the next in the queue.
 
-Room: a worker holds up to max_num_seqs + worker_queue_depth requests of a tier or better. Work of a worse tier does
-not count against a better one, so a worker full of batch work still has room for an interactive request: the
-engine runs requests by priority and preempts its least important running request for it (recompute).
+Room: a worker offers max_num_seqs + worker_queue_depth seats (sequences), shared between the tiers by
+`--tier-shares` (inferd/engine/tier_shares.py): a request fits where a seat is free, or where its tier holds fewer
+than its own seats (the worker is then over-filled by at most those, and its engine takes the seats back from the
+tiers that borrowed them, by preemption). The next request dispatched comes from the tier the shares name (the
+least filled below its own seats, then the most important); a tier with no room anywhere does not hold up the
+others. Under `--tier-shares strict` a worker holds up to its seats of a tier or better instead (work of a worse tier
+does not count against a better one) and tiers go in strict priority.
 
 When the queue is full, a request of a better tier sheds the newest waiter of the worst tier below it (503
 `overloaded` to that one), so that priority holds at the bound too.
@@ -37,11 +41,13 @@ from ..config import (
     DEFAULT_MAX_QUEUE_TOKENS,
     DEFAULT_QUEUE_TIMEOUT_S,
     DEFAULT_TENANT_QUEUE_SHARE,
+    DEFAULT_TIER_SHARES,
     DEFAULT_WORKER_QUEUE_DEPTH,
     SETTLE_GIVE_UP_S,
     SETTLE_RETRY_S,
     TIERS,
 )
+from ..engine.tier_shares import TierShares
 from ..telemetry.metrics import Metrics
 from ..worker.client import WorkerClient
 from .failover import Failover
@@ -116,6 +122,8 @@ class GatewayOptions:
     # the most of the queue's requests and reserved tokens one tenant may hold (1.0: no per-tenant bound; a server
     # without a keys file has one tenant, and gets 1.0)
     tenant_queue_share: float = DEFAULT_TENANT_QUEUE_SHARE
+    # each tier's nominal share of a worker's room (inferd/engine/tier_shares.py), or "strict"
+    tier_shares: str = DEFAULT_TIER_SHARES
 
 
 class DrainRate:
@@ -225,6 +233,7 @@ class Ticket:
             amount = g.queue.charge(self.tier_rank, self.tenant.name, self.tenant.weight, output_tokens=num_tokens)
             if g.metrics is not None:
                 g.metrics.tenant_service.labels(self.tenant.name).inc(amount)
+                g.metrics.tier_generated.labels(TIERS[self.tier_rank]).inc(num_tokens)
 
     @property
     def finished(self) -> bool:
@@ -270,6 +279,7 @@ class Gateway:
         self.metrics = metrics
         self.queue = WaitingQueue(self.options.max_queue_requests, self.options.max_queue_tokens,
                                 self.options.fairness)
+        self.shares = TierShares.parse(self.options.tier_shares)
         self.drain = DrainRate()
         self._assigned: dict[WorkerClient, list[int]] = {}  # worker -> requests bound to it, per tier
         self._leases = itertools.count(1)
@@ -406,10 +416,11 @@ class Gateway:
                              f"{queue.num_tokens} reserved tokens; limits {queue.max_requests} and {queue.max_tokens})",
                              self._retry_after(queue.expected_ahead(len(TIERS) - 1)))
         self._check_tenant_share(w)
-        ahead = queue.expected_ahead(w.tier_rank)
+        ahead, fraction = self._ahead_of(w.tier_rank)
         if ahead > 0 or not self._has_room(w.tier_rank, ticket.num_seqs):
             rate = self.drain.rate(time.perf_counter())
             if rate:
+                rate *= fraction
                 wait = (ahead + w.expected_tokens) / rate
                 if wait > ticket.timeout:
                     raise Overloaded(f"the service is saturated: the estimated wait ({wait:.1f} s for "
@@ -420,6 +431,18 @@ class Gateway:
         ticket._timer = asyncio.get_running_loop().call_later(ticket.timeout, self._expire, ticket)
         self._update_queue_metrics()
         self.pump()
+
+    def _ahead_of(self, tier_rank: int) -> tuple[float, float]:
+        """(expected tokens of the waiters served before a new request of this tier, the part of the drain rate
+        that serves them). Strict: its tier and the better, at the whole rate. With shares: its own tier, at its
+        share among the tiers that have work (waiting or bound)."""
+        queue = self.queue
+        fractions = self.shares.fractions
+        if fractions is None or fractions[tier_rank] <= 0:
+            return queue.expected_ahead(tier_rank), 1.0
+        bound = self.bound_by_tier()
+        busy = [t for t in range(len(TIERS)) if t == tier_rank or queue.num_by_tier[t] or bound[t]]
+        return queue.expected_tokens[tier_rank], fractions[tier_rank] / sum(fractions[t] for t in busy)
 
     def _check_tenant_share(self, w: Waiter) -> None:
         share = self.options.tenant_queue_share
@@ -477,13 +500,19 @@ class Gateway:
         return (hello.max_num_seqs if hello is not None else 1) + self.options.worker_queue_depth
 
     def _room_on(self, worker: WorkerClient, tier_rank: int, num_seqs: int = 1) -> bool:
-        """Room for num_seqs more sequences of this tier (or better). A request with more sequences than a worker
+        """Room for num_seqs more sequences of this tier: a free seat, or (with shares) seats its tier has not
+        filled yet; strict: room among the seats of this tier or better. A request with more sequences than a worker
         holds at all still fits an idle worker (the engine runs what fits, the rest waits there)."""
         assigned = self._assigned.get(worker)
         if assigned is None:
             return True
-        used = sum(assigned[: tier_rank + 1])
-        return used == 0 or used + num_seqs <= self._capacity(worker)
+        capacity = self._capacity(worker)
+        if self.shares.strict:
+            used = sum(assigned[: tier_rank + 1])
+            return used == 0 or used + num_seqs <= capacity
+        total = sum(assigned)
+        return total == 0 or total + num_seqs <= capacity or self.shares.may_reclaim(assigned, tier_rank, capacity,
+                                                                                       num_seqs)
 
     def load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))
@@ -520,16 +549,14 @@ class Gateway:
         return best if best is not None else NO_VERSION  # no version with a share has room: wait
 
     def pump(self) -> None:
-        """Binds waiters to workers while the next in the queue has room somewhere. The next in the queue is the
-        best tier's: if it has no room, no worse tier has either."""
+        """Binds waiters to workers while one has room somewhere: the head (VTC, inside its tier) of the tier the
+        shares name next, or of the following tier when that one has no room anywhere. Strict: the best tier's head
+        only (if it has no room, no worse tier has either)."""
         self.failover.pump()  # replays go first: their clients are mid-stream
         moved = False
         while True:
-            w = self.queue.peek()
-            if w is None:
-                break
-            worker = self._pick(w.payload)
-            if worker is None:
+            w, worker = self._next_dispatch()
+            if w is None or worker is None:
                 break
             amount = self.queue.pop(w)
             moved = True
@@ -541,6 +568,34 @@ class Gateway:
                 self.metrics.tenant_service.labels(w.tenant).inc(amount)
         if moved:
             self._update_queue_metrics()
+
+    def _next_dispatch(self) -> tuple[Waiter | None, WorkerClient | None]:
+        queue = self.queue
+        if self.shares.strict:
+            w = queue.peek()
+            return w, (self._pick(w.payload) if w is not None else None)
+        waiting = [t for t in range(len(TIERS)) if queue.num_by_tier[t]]
+        if not waiting:
+            return None, None
+        capacity = sum(self._capacity(worker) for worker in self.router.workers if worker.usable)
+        for tier_rank in self.shares.tier_order(self.bound_by_tier(), waiting, capacity):
+            w = queue.peek(tier_rank)
+            worker = self._pick(w.payload) if w is not None else None
+            if worker is not None:
+                return w, worker
+        return None, None
+
+    def bound_by_tier(self) -> list[int]:
+        """Sequences bound to workers, per tier (all workers together)."""
+        return [sum(a[t] for a in self._assigned.values()) for t in range(len(TIERS))]
+
+    def borrowed_by_tier(self) -> list[int]:
+        """Sequences bound beyond their tier's own seats, per tier (summed over workers; strict: 0)."""
+        out = [0] * len(TIERS)
+        for worker, assigned in self._assigned.items():
+            for t, n in enumerate(self.shares.borrowed(assigned, self._capacity(worker))):
+                out[t] += n
+        return out
 
     def _bind(self, ticket: Ticket, worker: WorkerClient) -> None:
         if not self._assigned:

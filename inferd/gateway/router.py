@@ -141,7 +141,7 @@ class Router:
         if len(stats) == 1:
             return stats[0]
         fields = [name for name in WorkerStats.__dataclass_fields__ if name != "draining"]
-        return WorkerStats(**{name: sum(getattr(s, name) for s in stats) for name in fields},
+        return WorkerStats(**{name: _sum([getattr(s, name) for s in stats]) for name in fields},
                            draining=all(s.draining for s in stats))
 
     # ---- choosing a worker ----------------------------------------------------------------------------------
@@ -201,3 +201,10 @@ def _worker_order(w: WorkerClient) -> tuple:
     """A stable order among workers: by id, numbers compared as numbers (worker-2 before worker-10)."""
     wid = w.hello.worker_id if w.hello is not None else ""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", wid))
+
+
+def _sum(values: list):
+    """A field summed over workers: numbers add, per-tier lists add element by element."""
+    if values and isinstance(values[0], list):
+        return [sum(column) for column in zip(*values)]
+    return sum(values)

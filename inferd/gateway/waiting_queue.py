@@ -89,10 +89,10 @@ class WaitingQueue:
         queue.append(w)
         self._count(w, +1)
 
-    def peek(self) -> Waiter | None:
-        """The waiter that goes next: the best tier's, by policy."""
-        for tier_queue in self.tier_queues:
-            if not tier_queue.queues:
+    def peek(self, tier_rank: int | None = None) -> Waiter | None:
+        """The waiter that goes next: the best tier's (or the given tier's), by policy."""
+        for rank, tier_queue in enumerate(self.tier_queues):
+            if not tier_queue.queues or (tier_rank is not None and rank != tier_rank):
                 continue
             if self.policy == "fcfs":
                 return min((q[0] for q in tier_queue.queues.values()), key=lambda w: w.seq)

@@ -80,6 +80,8 @@ class Metrics:
                                       registry=r)
         self.tenant_tokens = Counter("inferd_tenant_tokens", "Tokens charged to a tenant's quota (after refunds)",
                                      ["tenant"], registry=r)
+        self.tier_generated = Counter("inferd_tier_generated_tokens", "Tokens generated for each tier's requests "
+                                      "(what the capacity shares divide)", ["tier"], registry=r)
         # roofline (inferd/telemetry/roofline.py): what bounds a step
         self.step_bytes = Counter("inferd_engine_bytes_read", "Bytes engine steps read (weights once per step, as "
                                   "stored, + the KV cache attended)", registry=r)
@@ -198,6 +200,7 @@ class _GatewayCollector:
                                 "or being moved to another worker)", value=g.num_open)
         yield GaugeMetricFamily("inferd_gateway_in_flight_sequences", "Sequences bound to a worker (or being moved "
                                 "to another): the workers' room in use", value=g.num_in_flight)
+        yield from _tier_families(g)
         yield GaugeMetricFamily("inferd_gateway_settlements_pending", "Quota settlements not done yet (retried "
                                 "while the limiter fails)", value=g.num_settling)
         open_requests = GaugeMetricFamily("inferd_tenant_open_requests", "A tenant's admitted requests not finished",
@@ -216,6 +219,48 @@ class _GatewayCollector:
             for tenant, count in sorted(in_flight().items()):
                 leases.add_metric([tenant], count)
             yield leases
+
+
+def _tier_families(g):
+    """Per tier: its configured share, the sequences the gateway bound to workers and those beyond the tier's own
+    seats there; the workers' engines' running sequences per tier, those beyond the tier's own seats (borrowed), and
+    preemptions (inferd/engine/tier_shares.py)."""
+    from ..config import TIERS
+
+    shares = g.shares
+    share = GaugeMetricFamily("inferd_tier_share", "A tier's nominal share of the seats (--tier-shares; absent when "
+                              "strict)", labels=["tier"])
+    bound = GaugeMetricFamily("inferd_tier_bound_sequences", "Sequences of a tier the gateway bound to workers",
+                              labels=["tier"])
+    over = GaugeMetricFamily("inferd_tier_bound_borrowed_sequences", "Sequences of a tier bound beyond its own "
+                             "seats of the workers' room (lent by the other tiers)", labels=["tier"])
+    seats = GaugeMetricFamily("inferd_tier_seats", "Running sequences of a tier in the workers' engines",
+                              labels=["tier"])
+    borrowed = GaugeMetricFamily("inferd_tier_borrowed_seats", "Running sequences of a tier beyond its own seats "
+                                 "(lent by the other tiers; taken back by preemption when they need them)",
+                                 labels=["tier"])
+    preemptions = CounterMetricFamily("inferd_tier_preemptions", "Requests of a tier preempted by the engines "
+                                      "(recomputed later)", labels=["tier"])
+    running, lent, preempted = [0] * len(TIERS), [0] * len(TIERS), [0] * len(TIERS)
+    for w in g.router.workers:
+        stats, hello = w.latest_stats, w.hello
+        if stats is None or w.dead is not None:
+            continue
+        for t in range(len(TIERS)):
+            running[t] += stats.running_by_tier[t]
+            preempted[t] += stats.preemptions_by_tier[t]
+        if hello is not None:
+            for t, n in enumerate(shares.borrowed(stats.running_by_tier, hello.max_num_seqs)):
+                lent[t] += n
+    for t, (tier, n, b) in enumerate(zip(TIERS, g.bound_by_tier(), g.borrowed_by_tier())):
+        if shares.fractions is not None:
+            share.add_metric([tier], shares.fractions[t])
+        bound.add_metric([tier], n)
+        over.add_metric([tier], b)
+        seats.add_metric([tier], running[t])
+        borrowed.add_metric([tier], lent[t])
+        preemptions.add_metric([tier], preempted[t])
+    yield from (share, bound, over, seats, borrowed, preemptions)
 
 
 class _TenantCollector:

@@ -23,14 +23,19 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from ..config import EngineConfig
+from ..config import TIERS, EngineConfig
 from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.protocol import EngineInfo, EngineSnapshot, ScheduleHook
 from ..engine.request import FinishReason, SamplingParams, validate_request
+from ..engine.tier_shares import TierShares, tier_counts
 from ..models.config import ModelConfig
 
 log = logging.getLogger("inferd.worker")
+
+
+def _tier(r: EchoRequest) -> int:
+    return min(max(r.params.priority, 0), len(TIERS) - 1)
 
 
 @dataclass(eq=False)  # identity: list.remove() on abort must not compare token lists
@@ -58,8 +63,13 @@ class EchoEngine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # reported in the hello, never acted on
         self.num_kv_blocks = self._blocks(self.max_model_len) * config.max_num_seqs
         self.requests: dict[str, EchoRequest] = {}
-        # running is capped at max_num_seqs (the rest waits, in priority then arrival order, as in the real
-        # scheduler); there is no token budget and no preemption
+        # running is capped at max_num_seqs; the rest waits, and a free seat goes by the tier shares as in the real
+        # scheduler (inferd/engine/tier_shares.py; arrival order inside a tier), a tier below its own seats taking
+        # one back from a tier that borrowed (the request pauses and goes on later where it stopped). No token
+        # budget, no KV shortage
+        self.shares = TierShares.parse(config.tier_shares)
+        self.num_preemptions = 0
+        self.preemptions_by_tier = [0] * len(TIERS)
         self.running: list[EchoRequest] = []
         self.waiting: list[EchoRequest] = []
         self.num_steps = 0
@@ -141,7 +151,9 @@ class EchoEngine:
         in_use = sum(self._blocks(len(r.token_ids)) for r in self.running)
         return EngineSnapshot(running=len(self.running), waiting=len(self.waiting), kv_blocks_in_use=in_use,
                               kv_blocks_free=self.num_kv_blocks - in_use, kv_num_blocks=self.num_kv_blocks,
-                              num_steps=self.num_steps, busy=self.has_unfinished_requests())
+                              num_steps=self.num_steps, num_preemptions=self.num_preemptions,
+                              running_by_tier=tuple(tier_counts(_tier(r) for r in self.running)),
+                              preemptions_by_tier=tuple(self.preemptions_by_tier), busy=self.has_unfinished_requests())
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -169,13 +181,32 @@ class EchoEngine:
         return outputs
 
     def _admit(self) -> None:
-        max_num_seqs = self.config.max_num_seqs
-        if not self.waiting or len(self.running) >= max_num_seqs:
-            return
+        seats = self.config.max_num_seqs
         self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_seq))
-        free = max_num_seqs - len(self.running)
-        self.running.extend(self.waiting[:free])
-        del self.waiting[:free]
+        held = tier_counts(_tier(r) for r in self.running)
+        blocked: set[int] = set()
+        while True:
+            heads: dict[int, EchoRequest] = {}
+            for r in self.waiting:
+                heads.setdefault(_tier(r), r)
+            t = self.shares.next_tier(held, [u for u in heads if u not in blocked], seats)
+            if t is None:
+                return
+            if len(self.running) >= seats:
+                lenders = [r for r in self.running if self.shares.may_lend(held, _tier(r), seats, t)]
+                if not self.shares.may_reclaim(held, t, seats) or not lenders:
+                    blocked.add(t)
+                    continue
+                victim = max(lenders, key=lambda r: (_tier(r), r.arrival_seq))
+                self.running.remove(victim)
+                self.waiting.append(victim)
+                held[_tier(victim)] -= 1
+                self.num_preemptions += 1
+                self.preemptions_by_tier[_tier(victim)] += 1
+                blocked.add(_tier(victim))  # not readmitted in the step that preempted it
+            self.waiting.remove(heads[t])
+            self.running.append(heads[t])
+            held[t] += 1
 
     def _output(self, req: EchoRequest, new_ids: list[int], reason: FinishReason | None,
                 stop_reason: int | None = None) -> RequestOutput:

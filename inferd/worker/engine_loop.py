@@ -266,5 +266,7 @@ class EngineLoop:
                            kv_blocks_free=snap.kv_blocks_free, kv_num_blocks=snap.kv_num_blocks,
                            prefix_cache_hits=snap.prefix_cache_hits, prefix_cache_queries=snap.prefix_cache_queries,
                            num_preemptions=snap.num_preemptions, num_steps=snap.num_steps,
+                           running_by_tier=list(snap.running_by_tier),
+                           preemptions_by_tier=list(snap.preemptions_by_tier),
                            step_seconds_total=self._step_seconds_total, draining=self.draining,
                            step_tokens=step_tokens)

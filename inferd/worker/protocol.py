@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 # the limits live with every other limit, in inferd/config.py
-from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES, MAX_HELLO_STRING  # noqa: F401
+from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES, MAX_HELLO_STRING, TIERS  # noqa: F401
 from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import SamplingParams
@@ -300,6 +300,9 @@ class WorkerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     num_preemptions: int = 0
     num_steps: int = 0
+    # per tier rank (config.TIERS): running sequences, and requests preempted so far
+    running_by_tier: list[int] = dataclasses.field(default_factory=lambda: [0] * len(TIERS))
+    preemptions_by_tier: list[int] = dataclasses.field(default_factory=lambda: [0] * len(TIERS))
     step_seconds_total: float = 0.0  # engine steps' wall time, summed
     # tokens the engine's batch ran in its latest step (decode rows + prefill chunks); 0 when it has nothing to run
     step_tokens: int = 0
@@ -310,7 +313,13 @@ class WorkerStats:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> WorkerStats:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        stats = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        for name in ("running_by_tier", "preemptions_by_tier"):  # per tier: exactly one whole number each
+            value = getattr(stats, name)
+            if not isinstance(value, list) or len(value) != len(TIERS) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+                setattr(stats, name, [0] * len(TIERS))
+        return stats
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 from inferd.cli import build_parser
 from inferd.cli.engine_flags import ENGINE_FLAGS, FLAGLESS, Flag, engine_argv, engine_config
 from inferd.cli.serve import worker_args
-from inferd.cli.types import parse_bytes, positive_float, positive_int
+from inferd.cli.types import parse_bytes, positive_float, positive_int, tier_shares_arg
 from inferd.config import EngineConfig
 
 MODEL_PATH = "/models/served"  # what serve resolved --model to: the path its workers load
@@ -29,6 +29,8 @@ def other_value(f: Flag):
         return f.default * 0.5 if f.default else 0.5
     if f.parse is parse_bytes:
         return (f.default or 1 << 30) * 3
+    if f.parse is tier_shares_arg:
+        return "interactive=50,standard=30,batch=20"
     if f.parse is None:
         return f"{f.default}-other" if f.default else "/models/other"
     raise AssertionError(f"{f.flag}: no sample value for its type {f.parse!r}; add one to other_value")

@@ -1,6 +1,7 @@
-"""Priority preemption: a more important waiting request takes the slot or the KV room of less important running
-work (recompute), never of equal or more important work, and only when that actually lets it in. Victims finish
-with exactly the tokens of their run alone."""
+"""Priority preemption under `--tier-shares strict` (the old rule, kept): a more important waiting request takes the
+slot or the KV room of less important running work (recompute), never of equal or more important work, and only
+when that actually lets it in. Victims finish with exactly the tokens of their run alone. The shares' rule is
+tests/engine/test_tier_shares.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from inferd.engine import KVCacheManager, Request, SamplingParams
 from inferd.engine.request import FinishReason, RequestStatus
 from inferd.engine.scheduler import Scheduler
+from inferd.engine.tier_shares import STRICT, TierShares
 from tests.parity import assert_same_output
 
 RUNNING, PREEMPTED, WAITING = RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING
@@ -38,7 +40,8 @@ def run(engine) -> None:
 def assert_same_as_alone(micro, engine_kw: dict, reqs: list[Request]) -> None:
     for r in reqs:
         assert r.is_finished and r.finish_reason.value == "length", r.request_id
-        [alone] = micro.engine(**engine_kw, record_logits=True).generate([r.prompt_token_ids], r.params)
+        alone_engine = micro.engine(**engine_kw, record_logits=True, tier_shares=STRICT)
+        [alone] = alone_engine.generate([r.prompt_token_ids], r.params)
         # by the exactness rule: a preempted request recomputes its context by prefill, in another float order
         assert_same_output(r, alone, r.params, f"{r.request_id} (preempted {r.num_preemptions}x)")
 
@@ -48,7 +51,7 @@ def assert_same_as_alone(micro, engine_kw: dict, reqs: list[Request]) -> None:
 def test_important_request_preempts_for_a_sequence_slot(micro, sampling):
     seeds = {"a": 11, "b": 22, "h": 33} if sampling == "seeded" else dict.fromkeys("abh")
     kw = dict(max_num_seqs=2)
-    engine = micro.engine(**kw, record_logits=True)
+    engine = micro.engine(**kw, record_logits=True, tier_shares=STRICT)
     a = add(engine, "a", prompt(1, 12), params(2, 20, seeds["a"]))
     engine.step()
     b = add(engine, "b", prompt(2, 9), params(2, 20, seeds["b"]))
@@ -73,7 +76,7 @@ def test_important_request_preempts_for_a_sequence_slot(micro, sampling):
 
 def test_important_request_preempts_for_kv_room(micro):
     kw = dict(blocks=4)  # 64 tokens: two requests of 17 + 15 tokens (2 blocks each) fill it
-    engine = micro.engine(**kw, record_logits=True)
+    engine = micro.engine(**kw, record_logits=True, tier_shares=STRICT)
     a = add(engine, "a", prompt(4, 17), params(2, 15))
     b = add(engine, "b", prompt(5, 17), params(2, 15))
     for _ in range(3):
@@ -95,7 +98,7 @@ def test_important_request_preempts_for_kv_room(micro):
 @pytest.mark.parametrize("limit", ["slots", "kv"])
 def test_equal_priority_never_preempts_for_admission(micro, limit):
     kw = dict(max_num_seqs=2) if limit == "slots" else dict(blocks=4)
-    engine = micro.engine(**kw, record_logits=True)
+    engine = micro.engine(**kw, record_logits=True, tier_shares=STRICT)
     a = add(engine, "a", prompt(7, 17), params(1, 15))
     b = add(engine, "b", prompt(8, 17), params(1, 15))
     engine.step()
@@ -112,7 +115,7 @@ def test_equal_priority_never_preempts_for_admission(micro, limit):
 @pytest.mark.parametrize("limit", ["slots", "kv"])
 def test_more_important_request_is_never_preempted_for_a_less_important_one(micro, limit):
     kw = dict(max_num_seqs=2) if limit == "slots" else dict(blocks=4)
-    engine = micro.engine(**kw, record_logits=True)
+    engine = micro.engine(**kw, record_logits=True, tier_shares=STRICT)
     a = add(engine, "a", prompt(10, 17), params(0, 15))
     b = add(engine, "b", prompt(11, 17), params(0, 15))
     engine.step()
@@ -129,7 +132,7 @@ def test_the_victim_is_the_least_important_not_the_latest(micro):
     """Running: a (priority 2, admitted first) and b (priority 1, admitted last). A priority-0 request could take
     either slot; it takes a's, the least important, although b is the most recently admitted."""
     kw = dict(max_num_seqs=2)
-    engine = micro.engine(**kw, record_logits=True)
+    engine = micro.engine(**kw, record_logits=True, tier_shares=STRICT)
     a = add(engine, "a", prompt(13, 11), params(2, 20))
     engine.step()
     b = add(engine, "b", prompt(14, 8), params(1, 20))
@@ -147,7 +150,7 @@ def test_the_victim_is_the_least_important_not_the_latest(micro):
 def test_no_preemption_when_it_would_not_make_room(micro):
     """A priority-0 request holds 3 of 4 blocks, a priority-2 one the last. A priority-1 request that needs 2
     blocks would not fit even with the priority-2 one gone: that one keeps running, nothing is preempted."""
-    engine = micro.engine(blocks=4)
+    engine = micro.engine(blocks=4, tier_shares=STRICT)
     a = add(engine, "a", prompt(16, 40), params(0, 8))
     b = add(engine, "b", prompt(17, 5), params(2, 8))
     engine.step()
@@ -186,7 +189,7 @@ def test_after_a_block_shortage_only_a_more_important_head_is_admitted(head_prio
     of v's priority must not take it in the same step (the old rule: a step that preempted for blocks admits no
     work of that rank); a more important head may, it would have preempted v itself."""
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, tier_shares=TierShares(None))
     r = make_req("r", list(range(10, 18)), 0, arrival=0)
     v = make_req("v", list(range(20, 28)), 2, arrival=5)
     sched.add(r)
@@ -210,7 +213,7 @@ def test_blocks_shared_with_more_important_work_do_not_count_as_room():
     """b (priority 2) shares its first two blocks with a (priority 0): preempting b frees one block only, so a
     priority-1 request that needs two is not let in by preempting b."""
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, tier_shares=TierShares(None))
     shared = list(range(30, 38))
     a = make_req("a", shared + [40], 0, arrival=0)
     sched.add(a)
@@ -236,7 +239,7 @@ def test_less_important_work_sits_out_the_step_of_a_more_important_prefill():
     """b (priority 2, a batch line) decodes; a (priority 0) arrives: a's prefill runs alone in the next step (its
     first token does not wait for a step that also runs b), then both decode together."""
     kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, tier_shares=TierShares(None))
     b = make_req("b", list(range(20, 28)), 2, arrival=0)
     sched.add(b)
     sched_step(sched)
@@ -257,7 +260,7 @@ def test_held_work_runs_when_the_more_important_request_cannot_get_in():
     waits, and the less important decode it held back runs in the same step: nothing waits on a request that
     cannot run."""
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, tier_shares=TierShares(None))
     b = make_req("b", list(range(20, 28)), 2, arrival=0)
     sched.add(b)
     sched_step(sched)
