@@ -32,14 +32,14 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Say hello 
              "What is 2 + 2?", "Give me a fruit.", "Who wrote Hamlet?", "What is water made of?"]
 
 
-async def interactive(url: str, rate: float, duration: float, seed: int) -> list[float]:
-    """TTFTs (s) of Poisson arrivals over duration seconds."""
+async def interactive(url: str, rate: float, duration: float, seed: int, headers: dict | None = None) -> list[float]:
+    """TTFTs (s) of Poisson arrivals over duration seconds (headers: e.g. a tenant's key)."""
     rng = random.Random(seed)
     ttfts: list[float] = []
 
     async def one(client, q):
         t0 = time.perf_counter()
-        async with client.stream("POST", url + "/v1/chat/completions", json={
+        async with client.stream("POST", url + "/v1/chat/completions", headers=headers, json={
                 "messages": [{"role": "user", "content": q}], "max_tokens": 32, "temperature": 0,
                 "stream": True}) as r:
             first = True

@@ -79,7 +79,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 def _summary(sample: dict[str, float]) -> dict:
     """What the page derives from one sample, parsed once (the history keeps these, not the samples)."""
     out = {"prompt": 0.0, "generation": 0.0, "desired": 0.0, "attached": 0.0, "admissions": {}, "tenant_tokens": {},
-           "queue": {}, "running": 0.0, "kv": [], "buckets": {short: [] for short in LATENCIES}}
+           "queue": {}, "tier_generated": {}, "running": 0.0, "kv": [], "buckets": {short: [] for short in LATENCIES}}
     families = {f"{family}_bucket": short for short, family in LATENCIES.items()}
     for key, value in sample.items():
         name, _, labels = key.partition("{")
@@ -97,6 +97,8 @@ def _summary(sample: dict[str, float]) -> dict:
             out["tenant_tokens"][_label(labels, "tenant")] = value
         elif name == "inferd_queue_requests":
             out["queue"][_label(labels, "tier")] = value
+        elif name == "inferd_tier_generated_tokens_total":
+            out["tier_generated"][_label(labels, "tier")] = value
         elif name == "inferd_worker_requests_running":
             out["running"] += value
         elif name == "inferd_worker_kv_usage":
@@ -192,6 +194,12 @@ class Dashboard:
                       "generation_tokens_per_s": (now["generation"] - rate_base["generation"]) / span},
             "latency": latency,
             "admissions_in_window": {k: v - base["admissions"].get(k, 0.0) for k, v in now["admissions"].items()},
+            # tokens generated for each tier within the window, and each tier's part of them (what --tier-shares
+            # divides when every tier is backlogged)
+            "tier_tokens_in_window": (tier_tokens := {tier: now["tier_generated"].get(tier, 0.0)
+                                                      - base["tier_generated"].get(tier, 0.0) for tier in TIERS}),
+            "tier_token_share_in_window": {tier: n / sum(tier_tokens.values()) if sum(tier_tokens.values()) else None
+                                           for tier, n in tier_tokens.items()},
             "quota_window_s": quota_window,
             # tokens charged to each tenant within its quota's window (--rate-window), to set against its tpm
             "tenant_tokens_in_quota_window": {k: v - quota_base["tenant_tokens"].get(k, 0.0)
@@ -209,6 +217,7 @@ class Dashboard:
         points = [e for e in self.history if e[0] >= t - window_s] + [(t, now)]
         out: dict = {"t": [], "prompt_tokens_per_s": [], "generation_tokens_per_s": [], "running": [], "kv_usage": [],
                      "desired_workers": [], "attached_workers": [], "queue": {tier: [] for tier in TIERS},
+                     "tier_tokens_per_s": {tier: [] for tier in TIERS},
                      "ttft_p50": [], "ttft_p99": [], "tpot_p50": [], "tpot_p99": []}
         previous = None
         for when, sample in points:
@@ -223,6 +232,8 @@ class Dashboard:
             out["attached_workers"].append(sample["attached"])
             for tier in TIERS:
                 out["queue"][tier].append(sample["queue"].get(tier, 0.0))
+                grown = sample["tier_generated"].get(tier, 0.0) - prev["tier_generated"].get(tier, 0.0)
+                out["tier_tokens_per_s"][tier].append(grown / dt if dt > 0 else 0.0)
             _, trailing = self._base(when - DASHBOARD_TREND_S, times)
             for short in ("ttft", "tpot"):
                 grown = _grown(sample["buckets"][short], trailing["buckets"][short])

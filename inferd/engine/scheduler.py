@@ -36,9 +36,14 @@ from .request import FinishReason, Request, RequestStatus
 from .tier_shares import TierShares, tier_counts
 
 
+_LAST_TIER = len(TIERS) - 1
+
+
 def tier_of(r: Request) -> int:
-    """The request's tier rank (its priority, clamped to the tiers there are)."""
-    return min(max(r.params.priority, 0), len(TIERS) - 1)
+    """The request's tier rank (its priority, clamped to the tiers there are; no min/max calls: every step asks
+    this of every running and waiting request)."""
+    p = r.params.priority
+    return p if 0 <= p <= _LAST_TIER else (0 if p < 0 else _LAST_TIER)
 
 
 @dataclass
@@ -231,20 +236,27 @@ class Scheduler:
         return budget
 
     def _schedule_shared(self) -> SchedulerOutput:
-        """One step under capacity shares (the module's docstring)."""
+        """One step under capacity shares (the module's docstring). Membership is by identity (id sets): a
+        Request compares by value, and this runs every step over up to max_num_seqs + the waiting line."""
         shares, seats = self.shares, self.max_num_seqs
+        assert shares.fractions is not None
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
-        held = self.seats_by_tier()
+        held = [0] * len(TIERS)
+        for r in self.running:
+            held[tier_of(r)] += 1
+        line: list[list[Request]] = [[] for _ in TIERS]  # the waiting line per tier, in line order
+        for r in self.waiting:
+            line[tier_of(r)].append(r)
         now = self.clock()
-        for r in self.running + self.waiting:
-            self._last_active[tier_of(r)] = now
+        for t in range(len(TIERS)):
+            if held[t] or line[t]:
+                self._last_active[t] = now
         # prompt tokens each tier may still compute this step: its share of the budget while a more important tier
         # is active (has work, or had within the window: it may arrive), else no bound
         active = [now - t <= TIER_ACTIVE_WINDOW_S for t in self._last_active]
-        prefill_left = [self.max_num_batched_tokens] * len(TIERS)
-        assert shares.fractions is not None
+        prefill_left = [budget] * len(TIERS)
         for t, fraction in enumerate(shares.fractions):
             if any(active[:t]):
                 prefill_left[t] = max(math.floor(fraction * budget), self.lower_tier_prefill_tokens)
@@ -255,7 +267,7 @@ class Scheduler:
             nonlocal budget
             if victim.request_id in scheduled:
                 budget += scheduled.pop(victim.request_id).num_tokens
-            self.running.remove(victim)
+            self.running = [r for r in self.running if r is not victim]
             self.kv.free(victim)
             victim.status = RequestStatus.PREEMPTED
             victim.num_preemptions += 1
@@ -271,17 +283,19 @@ class Scheduler:
         budget = self._schedule_drafts(decoding, budget, scheduled)
         # the rows a tier holds beyond its own seats (its latest admitted) sit out the step of a more important
         # tier's prefill (running with prompt left, or waiting), and run after all if that prefill does not get in
-        pending = [tier_of(r) for r in prefilling + self.waiting]
+        pending = [tier_of(r) for r in prefilling] + [t for t in range(len(TIERS)) if line[t]]
         urgent = min(pending, default=None)
         held_rows: list[Request] = []
-        if urgent is not None:
+        if urgent is not None and any(held[t] > own for t, own in enumerate(shares.own_seats(seats)) if t > urgent):
             own = shares.own_seats(seats)
             for t in range(urgent + 1, len(TIERS)):
-                rows = sorted((r for r in self.running if tier_of(r) == t), key=lambda r: r.admitted_seq)
-                held_rows += [r for r in rows[own[t]:] if r.request_id not in scheduled]
+                if held[t] > own[t]:
+                    rows = sorted((r for r in self.running if tier_of(r) == t), key=lambda r: r.admitted_seq)
+                    held_rows += [r for r in rows[own[t]:] if r.request_id not in scheduled]
         if held_rows:
-            decoding = [r for r in decoding if r not in held_rows]
-            prefilling = [r for r in prefilling if r not in held_rows]
+            out_ids = {id(r) for r in held_rows}
+            decoding = [r for r in decoding if id(r) not in out_ids]
+            prefilling = [r for r in prefilling if id(r) not in out_ids]
 
         def run(reqs: list[Request]) -> None:
             nonlocal budget, shortage
@@ -315,16 +329,14 @@ class Scheduler:
         # step is not admitted again in it (it would trade places), and after a block shortage only tiers below
         # their own seats are
         blocked: set[int] = set()
+        next_in_line = [0] * len(TIERS)
+        admitted: set[int] = set()
         while budget > 0:
-            heads: dict[int, Request] = {}
-            for r in self.waiting:
-                t = tier_of(r)
-                if t not in heads and t not in blocked:
-                    heads[t] = r
-            t = shares.next_tier(held, heads, seats)
+            t = shares.next_tier(held, [u for u in range(len(TIERS))
+                                        if next_in_line[u] < len(line[u]) and u not in blocked], seats)
             if t is None:
                 break
-            req = heads[t]
+            req = line[t][next_in_line[t]]
             if prefill_left[t] <= 0 or t in victim_tiers or (shortage and not shares.may_reclaim(held, t, seats)):
                 blocked.add(t)
                 continue
@@ -338,7 +350,8 @@ class Scheduler:
                 for victim in victims:
                     preempt(victim)
                 continue  # the budget may have grown by the victims' tokens: size the chunk again
-            self.waiting.remove(req)
+            next_in_line[t] += 1
+            admitted.add(id(req))
             req.status = RequestStatus.RUNNING
             req.admitted_seq = self._admissions
             self._admissions += 1
@@ -347,6 +360,8 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledRequest(req, n)
             budget -= n
             prefill_left[t] -= n
+        if admitted:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
 
         if held_rows and not any(s.num_tokens > 1 and tier_of(s.request) < max(tier_of(r) for r in held_rows)
                                  for s in scheduled.values()):
@@ -383,12 +398,17 @@ class Scheduler:
                 return shares.may_lend(after, v, seats, t)
             return v != t and after[v] - len(r.block_ids) >= shares.fractions[v] * pool
 
+        chosen_ids: set[int] = set()
+        if not any(v != t and (after[v] > 0 if not seat_short else shares.may_lend(after, v, seats, t))
+                   for v in range(len(TIERS))):
+            return []  # no tier can lend: spare the scan of the running requests
         while True:
-            lenders = [r for r in self.running if r not in chosen and lends(r)]
+            lenders = [r for r in self.running if id(r) not in chosen_ids and lends(r)]
             if not lenders:
                 return []
             victim = max(lenders, key=lambda r: (tier_of(r), r.admitted_seq))
             chosen.append(victim)
+            chosen_ids.add(id(victim))
             after[tier_of(victim)] -= 1 if seat_short else len(victim.block_ids)
             if victim.request_id in scheduled:
                 budget += scheduled[victim.request_id].num_tokens

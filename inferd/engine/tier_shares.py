@@ -22,6 +22,7 @@ Pure: no torch, no asyncio, no clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -81,9 +82,9 @@ class TierShares:
             return [float(capacity)] * len(TIERS)
         return [capacity * f for f in self.fractions]
 
-    def own_seats(self, capacity: float) -> list[int]:
+    def own_seats(self, capacity: float) -> tuple[int, ...]:
         """Each tier's own seats: its nominal seats rounded up (0 only for a share of 0); strict: all of them."""
-        return [math.ceil(n - _EPS) for n in self.nominal(capacity)]
+        return _own_seats(self.fractions, capacity)
 
     def next_tier(self, held: Sequence[int], candidates: Iterable[int], capacity: float) -> int | None:
         """Among the tiers (ranks) with work waiting for a seat, the one the next free seat goes to. held: seats
@@ -124,11 +125,26 @@ class TierShares:
             return taker < tier
         return tier != taker and held[tier] - seats >= self.own_seats(capacity)[tier]
 
+    def lendable(self, held: Sequence[int], taker: int, capacity: float) -> int:
+        """Seats the other tiers hold beyond their own: what `taker` could take back (strict: those of the less
+        important tiers)."""
+        if self.fractions is None:
+            return sum(held[taker + 1:])
+        return sum(max(0, h - n) for t, (h, n) in enumerate(zip(held, self.own_seats(capacity))) if t != taker)
+
     def borrowed(self, held: Sequence[int], capacity: float) -> list[int]:
         """Seats each tier holds beyond its own (0 where it holds fewer); strict: all 0."""
         if self.fractions is None:
             return [0] * len(TIERS)
         return [max(0, h - n) for h, n in zip(held, self.own_seats(capacity))]
+
+
+@functools.lru_cache(maxsize=64)
+def _own_seats(fractions: tuple[float, ...] | None, capacity: float) -> tuple[int, ...]:
+    """Cached: the schedulers ask for every candidate of every step, with a handful of capacities."""
+    if fractions is None:
+        return (math.ceil(capacity),) * len(TIERS)
+    return tuple(math.ceil(capacity * f - _EPS) for f in fractions)
 
 
 def tier_counts(ranks: Iterable[int]) -> list[int]:

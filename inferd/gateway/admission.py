@@ -9,11 +9,11 @@ tokens really used and frees the worker's room, which dispatches the next in the
 
 Room: a worker offers max_num_seqs + worker_queue_depth seats (sequences), shared between the tiers by
 `--tier-shares` (inferd/engine/tier_shares.py): a request fits where a seat is free, or where its tier holds fewer
-than its own seats (the worker is then over-filled by at most those, and its engine takes the seats back from the
-tiers that borrowed them, by preemption). The next request dispatched comes from the tier the shares name (the
-least filled below its own seats, then the most important); a tier with no room anywhere does not hold up the
-others. Under `--tier-shares strict` a worker holds up to its seats of a tier or better instead (work of a worse tier
-does not count against a better one) and tiers go in strict priority.
+than its own seats while other tiers hold more than theirs (the worker is then over-filled by at most those, and its
+engine takes the seats back from the tiers that borrowed them, by preemption). The next request dispatched comes
+from the tier the shares name (the least filled below its own seats, then the most important); a tier with no room
+anywhere does not hold up the others. Under `--tier-shares strict` a worker holds up to its seats of a tier or
+better instead (work of a worse tier does not count against a better one) and tiers go in strict priority.
 
 When the queue is full, a request of a better tier sheds the newest waiter of the worst tier below it (503
 `overloaded` to that one), so that priority holds at the bound too.
@@ -511,8 +511,11 @@ class Gateway:
             used = sum(assigned[: tier_rank + 1])
             return used == 0 or used + num_seqs <= capacity
         total = sum(assigned)
-        return total == 0 or total + num_seqs <= capacity or self.shares.may_reclaim(assigned, tier_rank, capacity,
-                                                                                       num_seqs)
+        if total == 0 or total + num_seqs <= capacity:
+            return True
+        # over-filled only where the engine can take the seats back: from tiers over their own
+        return (self.shares.may_reclaim(assigned, tier_rank, capacity, num_seqs)
+                and self.shares.lendable(assigned, tier_rank, capacity) >= num_seqs)
 
     def load(self, worker: WorkerClient) -> int:
         return sum(self._assigned.get(worker, ()))

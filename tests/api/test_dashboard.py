@@ -245,6 +245,15 @@ def test_dashboard_in_a_real_browser_under_load(dash_server, tmp_path):
             assert float(keyed['inferd_tenant_quota{limit="tpm",tenant="stingy"}'][0]) == 40
             assert float(keyed['inferd_tenant_quota{limit="max_concurrency",tenant="alice"}'][0]) == 8
             assert float(keyed['inferd_tenant_tokens_total{tenant="alice"}'][0]) > 0
+            # tier shares: each tier's share, seats, borrowed seats and preemptions as /metrics has them (checked with
+            # every keyed number above), and its generated tokens in the window (the server's life)
+            for tier in ("interactive", "standard", "batch"):
+                for family in ("inferd_tier_share", "inferd_tier_seats", "inferd_tier_borrowed_seats",
+                               "inferd_tier_preemptions_total"):
+                    assert f'{family}{{tier="{tier}"}}' in keyed, (family, tier)
+                assert float(derived[f"tier_tokens_in_window.{tier}"][0]) == after.get(
+                    f'inferd_tier_generated_tokens_total{{tier="{tier}"}}', 0.0)
+            assert after.get('inferd_tier_generated_tokens_total{tier="standard"}', 0.0) > 0
             states = [k for k in after if k.startswith("inferd_worker_state{")]  # one worker, serving
             assert len(states) == 1 and 'state="serving"' in states[0], states
             worker = re.search(r'worker="([^"]+)"', states[0])[1]
