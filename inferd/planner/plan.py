@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 HOUR = 3600.0
 _SLO_RE = re.compile(r"(ttft|tpot|e2e)_p(\d{1,2}(?:\.\d+)?)$")
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s)?$")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+_UNIT_S = {"ms": 0.001, None: 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
@@ -74,8 +75,8 @@ def parse_slo(text: str) -> list[Target]:
                              "(e.g. ttft_p99=2s, interactive:ttft_p99=500ms)")
         d = _DURATION_RE.match(value.strip())
         if d is None:
-            raise ValueError(f"SLO entry {item!r}: the duration {value.strip()!r} is not like 2s or 50ms")
-        seconds = float(d[1]) / (1000 if d[2] == "ms" else 1)
+            raise ValueError(f"SLO entry {item!r}: the duration {value.strip()!r} is not like 2s, 50ms, 5m or 1h")
+        seconds = float(d[1]) * _UNIT_S[d[2]]
         percentile = float(m[2])
         if not 0 < percentile < 100 or seconds <= 0:
             raise ValueError(f"SLO entry {item!r}: the percentile must be in (0, 100) and the duration > 0")

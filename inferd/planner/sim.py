@@ -204,6 +204,7 @@ class Worker:
     running: list = field(default_factory=list)  # in admission order
     waiting: list = field(default_factory=lambda: [deque() for _ in TIERS])  # per tier rank, in arrival order
     bound: list = field(default_factory=lambda: [0] * len(TIERS))  # requests it holds per tier (running + waiting)
+    load: int = 0  # requests it holds, all tiers (the sum of bound, kept: the dispatch reads it at every event)
     busy: bool = False
     retiring: bool = False
     stopped: float | None = None
@@ -213,10 +214,6 @@ class Worker:
     preemptions: int = 0
     step_token: int = 0  # the step in flight (a STEP_END with an older token was cut short: ignored)
     jump: tuple | None = None  # a run of decode steps in flight: (start, mean step_s, steps, decoding, context)
-
-    @property
-    def load(self) -> int:
-        return sum(self.bound)
 
     def kv_at(self, now: float) -> int:
         """KV tokens held at `now` (kv_used is brought up to date at a step's end: within a run of decode steps,
@@ -243,6 +240,7 @@ class Simulation:
         self.start_delay_s = start_delay_s
         self.workers: list[Worker] = []
         self.lines: list[deque[Req]] = [deque() for _ in TIERS]  # the gateway's waiting line of each tier
+        self._tiers_seen: set[int] = set()  # one tier all along: the tier rules cannot apply (the fast paths)
         self.now = 0.0
         self._steps: list = []  # (time, seq, kind, payload) of step ends
         self._control: list = []  # the same, of everything else (a worker ready, a fleet change, a tick)
@@ -315,6 +313,7 @@ class Simulation:
                     self.refused.append(r)
                     continue
                 self.lines[r.tier].append(r)
+                self._tiers_seen.add(r.tier)
                 self._dispatch()
                 continue
             t, _, kind, payload = heapq.heappop(self._steps if step <= control else self._control)
@@ -349,27 +348,44 @@ class Simulation:
         return w.load < cap or w.bound[tier] + 1 <= fractions[tier] * cap + 1e-9
 
     def _dispatch(self) -> None:
+        lines = self.lines
+        ready = [w for w in self.workers if not w.retiring and w.ready <= self.now and w.stopped is None] \
+            if any(lines) else []
         cap = self.config.max_num_seqs + self.config.worker_queue_depth
         shares = self.config.tier_shares
-        ready = [w for w in self.workers if not w.retiring and w.ready <= self.now and w.stopped is None]
-        lines = self.lines
+        if ready and len(self._tiers_seen) == 1:  # one tier all along: to the least loaded worker while it has room
+            (t,) = self._tiers_seen
+            line = lines[t]
+            while line:
+                w = min(ready, key=_by_load)
+                if w.load >= cap:
+                    break
+                w.waiting[t].append(line.popleft())
+                w.bound[t] += 1
+                w.load += 1
+                if w.jump is not None:
+                    self._cut_jump(w)
+            ready = []
         while ready:
             tiers = [t for t, line in enumerate(lines) if line]
             if not tiers:
                 break
             if len(tiers) > 1:
-                held = [sum(w.bound[t] for w in ready) for t in range(len(TIERS))]
-                tiers = shares.tier_order(held, tiers)
-            for t in tiers:  # a tier no worker has room for is skipped: the next one is tried
-                room = [w for w in ready if self._has_room(w, t, cap)]
-                if room:
-                    break
+                tiers = shares.tier_order([sum(w.bound[t] for w in ready) for t in range(len(TIERS))], tiers)
+            w = min(ready, key=_by_load)
+            if w.load < cap:  # room for every tier: the next in order takes it
+                t = tiers[0]
             else:
-                break
-            w = min(room, key=lambda w: (w.load, w.wid))
-            r = lines[t].popleft()
-            w.waiting[t].append(r)
+                for t in tiers:  # a tier no worker has room for is skipped: the next one is tried
+                    room = [w for w in ready if self._has_room(w, t, cap)]
+                    if room:
+                        w = min(room, key=_by_load)
+                        break
+                else:
+                    break
+            w.waiting[t].append(lines[t].popleft())
             w.bound[t] += 1
+            w.load += 1
             if w.jump is not None:
                 self._cut_jump(w)
         for w in self.workers:
@@ -387,27 +403,45 @@ class Simulation:
             self._preempt(w, w.running[-1])
             decoding = [r for r in w.running if r.prefilled >= r.need]
         waiting = w.waiting
-        several = sum(1 for b in w.bound if b) > 1  # more than one tier in this worker: the tier rules apply
+        several = len(TIERS) - w.bound.count(0) > 1  # more than one tier in this worker: the tier rules apply
         if several and len(w.running) >= c.max_num_seqs and any(waiting):
             self._reclaim(w)
             decoding = [r for r in w.running if r.prefilled >= r.need]
         budget -= len(decoding)
         # each tier's prompt tokens this step: capped at its share while a more important tier has requests here
-        left = [budget] * len(TIERS)
+        prompt_left = [budget] * len(TIERS) if several else []
         if several and shares.fractions is not None:
             for t, f in enumerate(shares.fractions):
                 if any(w.bound[:t]):
-                    left[t] = max(int(f * c.max_num_batched_tokens), MIN_TIER_PROMPT_TOKENS)
+                    prompt_left[t] = max(int(f * c.max_num_batched_tokens), MIN_TIER_PROMPT_TOKENS)
         chunks = []
-        for r in w.running:
+        if not several:  # one tier here: prompt chunks in admission order, admission first come first served
+            for r in w.running:
+                if r.prefilled < r.need and budget > 0:
+                    n = min(r.need - r.prefilled, budget)
+                    chunks.append((r, n))
+                    budget -= n
+            for line in waiting:  # the one tier waiting here, if any
+                if line:
+                    break
+            while line and budget > 0 and len(w.running) < c.max_num_seqs \
+                    and w.kv_used + line[0].need + 1 <= c.kv_tokens:
+                r = line.popleft()
+                w.running.append(r)
+                w.kv_used += r.need
+                r.kv = r.need
+                n = min(r.need, budget)
+                chunks.append((r, n))
+                budget -= n
+        for r in w.running if several else ():
             if r.prefilled < r.need and budget > 0:
-                n = min(r.need - r.prefilled, budget, left[r.tier])
+                n = min(r.need - r.prefilled, budget, prompt_left[r.tier])
                 if n > 0:
                     chunks.append((r, n))
                     budget -= n
-                    left[r.tier] -= n
-        while budget > 0 and len(w.running) < c.max_num_seqs:
-            tiers = [t for t, q in enumerate(waiting) if q and left[t] > 0]
+                    prompt_left[r.tier] -= n
+        while several and budget > 0 and len(w.running) < c.max_num_seqs:
+            tiers = [t for t, q in enumerate(waiting) if q and prompt_left[t] > 0]
             if not tiers:
                 break
             t = tiers[0] if len(tiers) == 1 else shares.next_tier(tier_counts(q.tier for q in w.running), tiers)
@@ -415,10 +449,10 @@ class Simulation:
                 break  # the next one in order waits for the KV cache
             r = waiting[t].popleft()
             self._admit(w, r)
-            n = min(r.need, budget, left[t])
+            n = min(r.need, budget, prompt_left[t])
             chunks.append((r, n))
             budget -= n
-            left[t] -= n
+            prompt_left[t] -= n
         if not decoding and not chunks:
             return  # nothing fits now (every request fits an empty cache: run() refuses the others)
         prefill = sum(n for _, n in chunks)
@@ -526,8 +560,14 @@ class Simulation:
             r.done = self.now
             w.running.remove(r)
             w.bound[r.tier] -= 1
+            w.load -= 1
             w.kv_used -= r.kv
             r.kv = 0
         self._maybe_stop(w)
         self._dispatch()
 
+
+
+def _by_load(w: Worker) -> tuple[int, int]:
+    """The router's order: the least loaded worker first."""
+    return w.load, w.wid
