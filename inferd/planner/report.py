@@ -31,7 +31,33 @@ from .plan import (
 from .sim import Req, StepModel, WorkerConfig
 
 
+class PlanInputError(ValueError):
+    """A flag or input file `inferd plan` cannot use (the message names it)."""
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        result, text = make_plan(args)
+    except PlanInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.md").write_text(text)
+    (out / "plan.json").write_text(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1,
+                                              default=str))
+    print(text)
+    if not result["summary"]:
+        print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} (no plots: nothing is served)")
+        return 0
+    plot(result, out)
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'load_and_workers.png'}, {out / 'latency.png'}")
+    return 0
+
+
+def make_plan(args: argparse.Namespace) -> tuple[dict, str]:
+    """The plan (plan.json's content, and the simulated runs) and its Markdown, from the parsed command line;
+    PlanInputError naming a flag or input that cannot be used."""
     from ..cluster.autoscaler import AutoscalerConfig
 
     try:
@@ -51,13 +77,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if day_tiers and not any(per_tier[TIERS.index(t)] for t in day_tiers):
             raise ValueError(f"the SLO sets no target for the tiers of the traffic ({', '.join(day_tiers)})")
     except (OSError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise PlanInputError(str(e)) from None
     config = WorkerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.worker_queue_depth, args.kv_tokens,
                           shares)
     uniform = args.arrivals == "uniform"
     day_reqs = traffic.requests(args.seed, uniform)
-    out = Path(args.out)
     for r in day_reqs:
         r.refused = not r.fits(config.kv_tokens)  # what the simulation marks on arrival
     servable = [r for r in day_reqs if not r.refused]
@@ -68,13 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   "hourly": traffic.hourly(), "need": [0] * 24,
                   "requests": len(day_reqs), **refusals(day_reqs), "summary": [],
                   "worker_capacity": args.worker_capacity, "cost_per_worker_hour": args.cost_per_worker_hour}
-        text = markdown_nothing_to_serve(result, args)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.md").write_text(text)
-        (out / "plan.json").write_text(json.dumps(result, indent=1))
-        print(text)
-        print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} (no plots: nothing is served)")
-        return 0
+        return result, markdown_nothing_to_serve(result, args)
     # the day's mean lengths over the requests a worker can take (each fits the cache, so their mean does)
     mean_prompt = round(sum(r.prompt for r in servable) / len(servable))
     mean_output = min(round(sum(r.output for r in servable) / len(servable)), config.kv_tokens - mean_prompt)
@@ -87,22 +105,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   scale_down_cooldown_s=args.scale_down_cooldown, warm_schedule=args.warm_schedule,
                                   warm_lead_s=args.warm_lead)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise PlanInputError(str(e)) from None
     result = plan(model, config, traffic, targets, args.seed, uniform, scaler, args.worker_start, args.workers)
-    result["worker_capacity"] = capacity
-    result["cost_per_worker_hour"] = args.cost_per_worker_hour
-    result["tier_shares"] = str(shares)
-    result["tiers"] = day_tiers
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(result, args)
-    (out / "plan.md").write_text(text)
-    (out / "plan.json").write_text(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1,
-                                              default=str))
-    plot(result, out)
-    print(text)
-    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'load_and_workers.png'}, {out / 'latency.png'}")
-    return 0
+    result.update(worker_capacity=capacity, cost_per_worker_hour=args.cost_per_worker_hour, tier_shares=str(shares),
+                  tiers=day_tiers)
+    return result, markdown(result, args)
 
 
 def plan(model, config, traffic, targets, seed, uniform, scaler, worker_start, workers=None) -> dict:

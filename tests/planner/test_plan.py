@@ -29,7 +29,7 @@ from inferd.planner.plan import (
     tier_targets,
     worker_capacity,
 )
-from inferd.planner.report import cmd_plan
+from inferd.planner.report import cmd_plan, make_plan, tiers_paragraph
 from inferd.planner.sim import Req, Simulation, StepModel, WorkerConfig
 
 FLAT = StepModel({(1, 1): 0.1, (64, 1): 0.1, (1, 100000): 0.1, (64, 100000): 0.1}, {1: 0.1, 100000: 0.1})
@@ -394,33 +394,30 @@ def test_runs_of_decode_steps_with_tiers_equal_step_by_step():
             assert a.done == pytest.approx(b.done, rel=1e-9, abs=1e-9)
 
 
-def run_plan(tmp_path, traffic, *extra, slo="ttft_p99=500ms"):
-    """`inferd plan` in this process (its own parser and command), on the synthetic profile."""
+def plan_args(tmp_path, traffic, *extra, slo="ttft_p99=500ms") -> argparse.Namespace:
+    """`inferd plan`'s command line, parsed by its own parser, on the synthetic profile."""
     write_profile(tmp_path / "profile.json")
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    out = tmp_path / "plan"
-    args = parser.parse_args(["--traffic", str(traffic), "--slo", slo, "--profile", str(tmp_path / "profile.json"),
-                              "--max-num-seqs", "1", "--worker-capacity", "20", "--out", str(out), *extra])
-    return cmd_plan(args), out
+    return parser.parse_args(["--traffic", str(traffic), "--slo", slo, "--profile", str(tmp_path / "profile.json"),
+                              "--max-num-seqs", "1", "--worker-capacity", "20", "--out", str(tmp_path / "plan"),
+                              *extra])
 
 
-def test_a_mixed_tier_day_is_planned_per_tier(tmp_path, capsys):
+def test_a_mixed_tier_day_is_planned_per_tier(tmp_path):
     # hour 0: 10 batch requests at 0..9 s and 5 interactive at 0, 2, .. 8 s on one worker of one seat (1 request/s):
     # interactive takes the seat whenever it waits (at most one batch request, 1 s, ahead of it), batch waits
     # behind the backlog: interactive meets 1.5s, batch does not
     trace = tmp_path / "trace.csv"
     trace.write_text("t,prompt_tokens,output_tokens,tier\n" + "".join(f"{i},10,10,batch\n" for i in range(10)) +
                      "".join(f"{i}.5,10,10,interactive\n" for i in range(0, 10, 2)))
-    code, out = run_plan(tmp_path, trace, "--workers", "1", "--max-workers", "2",
-                         slo="interactive:ttft_p99=1.5s,batch:ttft_p99=1.5s,e2e_p99=1h")
-    text = capsys.readouterr().out
-    assert code == 0
+    # (the plan as `inferd plan` makes it, in this process and without its plots: they take a second)
+    result, text = make_plan(plan_args(tmp_path, trace, "--workers", "1", "--max-workers", "2",
+                                       slo="interactive:ttft_p99=1.5s,batch:ttft_p99=1.5s,e2e_p99=1h"))
     assert "Tiers: interactive, batch, served with capacity shares interactive=70,standard=25,batch=5" in text
     assert "interactive: e2e_p99=3600.00s, ttft_p99=1.50s; batch: e2e_p99=3600.00s, ttft_p99=1.50s" in text
     assert "| fixed 1 | interactive | 5 | 1/1 |" in text and "| fixed 1 | batch | 10 | 0/1 |" in text
     assert "NO (batch)" in text  # the hour's row names the tier that missed
-    result = json.loads((out / "plan.json").read_text())
     assert result["tier_shares"] == "interactive=70,standard=25,batch=5"
     fixed = result["summary"][0]
     assert fixed["hours_meeting_slo"] == 0 and result["need"][0] == 2
@@ -428,10 +425,11 @@ def test_a_mixed_tier_day_is_planned_per_tier(tmp_path, capsys):
     assert tiers["interactive"]["ttft_p99"] <= 1.5 < tiers["batch"]["ttft_p99"]
     assert tiers["interactive"]["within_ttft"] == 1.0 and tiers["batch"]["within_ttft"] < 0.5
     assert fixed["within_ttft"] == pytest.approx((5 + 10 * tiers["batch"]["within_ttft"]) / 15)
-    # strict is modelled when asked for, and said so
-    code, out = run_plan(tmp_path, trace, "--workers", "1", "--tier-shares", "strict",
-                         slo="interactive:ttft_p99=1.5s,batch:ttft_p99=1.5s")
-    assert code == 0 and "served with strict priority" in capsys.readouterr().out
+    # the plan says which rule it modelled
+    assert tiers_paragraph({"tiers": ["interactive", "batch"], "tier_shares": "strict"}) == \
+        "Tiers: interactive, batch, served with strict priority (`--tier-shares`)."
+    assert tiers_paragraph({"tiers": ["standard"], "tier_shares": "interactive=70,standard=25,batch=5"}).startswith(
+        "Every request is of tier standard")
 
 
 def test_tier_columns_and_per_tier_targets_are_checked(tmp_path, capsys):
@@ -465,8 +463,7 @@ def test_tier_columns_and_per_tier_targets_are_checked(tmp_path, capsys):
         with pytest.raises(ValueError, match="is not one of"):
             parse_slo(text)
     # the command line: a bad --tier-shares, and an SLO that sets nothing for the day's tiers
-    code, _ = run_plan(tmp_path, trace, "--tier-shares", "gold=1")
-    assert code == 2 and "--tier-shares: tier shares must be" in capsys.readouterr().err
-    code, _ = run_plan(tmp_path, trace, slo="batch:ttft_p99=1s")
-    assert code == 2 and "the SLO sets no target for the tiers of the traffic (interactive, standard)" in \
-        capsys.readouterr().err
+    assert cmd_plan(plan_args(tmp_path, trace, "--tier-shares", "gold=1")) == 2
+    assert "--tier-shares: tier shares must be" in capsys.readouterr().err
+    assert cmd_plan(plan_args(tmp_path, trace, slo="batch:ttft_p99=1s")) == 2
+    assert "the SLO sets no target for the tiers of the traffic (interactive, standard)" in capsys.readouterr().err
