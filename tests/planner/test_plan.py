@@ -369,7 +369,7 @@ def test_a_tier_held_back_prefills_at_its_share_of_the_token_budget():
 
 def test_runs_of_decode_steps_with_tiers_equal_step_by_step():
     # the jump over decode-only steps with three tiers, shares and strict, a small token budget (prompt caps) and a
-    # small KV cache (preemptions): the same times as one event per step
+    # small KV cache (KV preemptions beside the reclaimed seats): the same times as one event per step
     import random
 
     model = StepModel.load("docs/profile/bf16/profile.json")
@@ -380,7 +380,7 @@ def test_runs_of_decode_steps_with_tiers_equal_step_by_step():
         arrivals.append((t, rng.randint(20, 300), rng.randint(5, 120), rng.randrange(3)))
     for shares in ("interactive=70,standard=25,batch=5", "strict"):
         config = with_shares(WorkerConfig(max_num_seqs=8, max_num_batched_tokens=128, worker_queue_depth=2,
-                                          kv_tokens=3000), shares)
+                                          kv_tokens=2000), shares)
         runs = []
         for jumps in (True, False):
             reqs = [Req(t, p, o, tier=tier) for t, p, o, tier in arrivals]
