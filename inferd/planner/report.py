@@ -97,8 +97,11 @@ def make_plan(args: argparse.Namespace) -> tuple[dict, str]:
     mean_prompt = round(sum(r.prompt for r in servable) / len(servable))
     mean_output = min(round(sum(r.output for r in servable) / len(servable)), config.kv_tokens - mean_prompt)
     mix = [sum(r.tier == t for r in servable) / len(servable) for t in range(len(TIERS))]
-    capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output, args.seed,
-                                                       mix=mix)
+    try:
+        capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output,
+                                                           args.seed, mix=mix)
+    except ValueError as e:  # the SLO sets nothing for the tiers a worker can serve
+        raise PlanInputError(str(e)) from None
     try:
         scaler = AutoscalerConfig(worker_capacity=capacity, min_workers=args.min_workers,
                                   max_workers=args.max_workers, target_utilization=args.target_utilization,

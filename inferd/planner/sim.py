@@ -567,7 +567,6 @@ class Simulation:
         self._dispatch()
 
 
-
 def _by_load(w: Worker) -> tuple[int, int]:
     """The router's order: the least loaded worker first."""
     return w.load, w.wid
