@@ -100,7 +100,7 @@ LAYERS: dict[str, set[str]] = {
     "gateway": {"config", "engine", "telemetry", "worker"},
     "cluster": {"config", "gateway", "worker"},
     "api": {"cluster", "config", "engine", "gateway", "models", "telemetry", "worker"},
-    "planner": {"cluster", "config"},
+    "planner": {"cluster", "config", "engine"},
     "bench": {"config", "engine", "telemetry"},
     "cli": {"api", "bench", "cluster", "config", "engine", "gateway", "models", "planner", "telemetry", "worker"},
     "__main__": {"cli"},

@@ -9,6 +9,7 @@ from ..config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_TARGET_UTILIZATION,
+    DEFAULT_TIER_SHARES,
     DEFAULT_WORKER_QUEUE_DEPTH,
 )
 from .common_args import add_autoscaler_arguments
@@ -27,9 +28,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     from ..planner.sim import WorkerConfig
 
     p.add_argument("--traffic", required=True, metavar="DAY.csv", help="per-hour rates (hour,requests_per_s,"
-                   "prompt_tokens,output_tokens) or a trace (t,prompt_tokens,output_tokens; t in s since midnight)")
+                   "prompt_tokens,output_tokens) or a trace (t,prompt_tokens,output_tokens; t in s since midnight), "
+                   "each with an optional tier column (default standard)")
     p.add_argument("--slo", required=True, metavar="TARGETS", help='e.g. "ttft_p99=2s,tpot_p50=50ms" (metrics: '
-                   "ttft, tpot, e2e); an hour meets the SLO when its requests meet every target")
+                   "ttft, tpot, e2e), a target may be a tier's own: interactive:ttft_p99=500ms; an hour meets the "
+                   "SLO when each tier's requests meet their targets")
+    p.add_argument("--tier-shares", default=DEFAULT_TIER_SHARES, metavar="SHARES",
+                   help=f"the tiers' capacity shares the servers run with (default {DEFAULT_TIER_SHARES}), or "
+                   "strict (strict priority)")
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="`inferd profile`'s measured step times")
     p.add_argument("--cost-per-worker-hour", type=float, default=1.0, metavar="PRICE")
     p.add_argument("--workers", type=int, default=None, help="the fixed fleet (default: the largest hourly need)")

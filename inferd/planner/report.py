@@ -9,9 +9,13 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
+from ..config import TIERS
+from ..engine.tier_shares import TierShares
 from .plan import (
+    DESCRIBED,
     HOUR,
     FleetRun,
+    Target,
     by_hour,
     figures,
     format_seconds,
@@ -21,12 +25,39 @@ from .plan import (
     run_autoscaler,
     run_fixed,
     run_hourly_minimum,
+    tier_targets,
     worker_capacity,
 )
 from .sim import Req, StepModel, WorkerConfig
 
 
+class PlanInputError(ValueError):
+    """A flag or input file `inferd plan` cannot use (the message names it)."""
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        result, text = make_plan(args)
+    except PlanInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.md").write_text(text)
+    (out / "plan.json").write_text(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1,
+                                              default=str))
+    print(text)
+    if not result["summary"]:
+        print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} (no plots: nothing is served)")
+        return 0
+    plot(result, out)
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'load_and_workers.png'}, {out / 'latency.png'}")
+    return 0
+
+
+def make_plan(args: argparse.Namespace) -> tuple[dict, str]:
+    """The plan (plan.json's content, and the simulated runs) and its Markdown, from the parsed command line;
+    PlanInputError naming a flag or input that cannot be used."""
     from ..cluster.autoscaler import AutoscalerConfig
 
     try:
@@ -37,53 +68,51 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError("--max-num-seqs, --max-num-batched-tokens and --kv-tokens must be >= 1")
         if args.workers is not None and args.workers < 1:
             raise ValueError("--workers must be >= 1")
+        try:
+            shares = TierShares.parse(args.tier_shares)
+        except ValueError as e:
+            raise ValueError(f"--tier-shares: {e}") from None
+        day_tiers = traffic.tiers()
+        per_tier = tier_targets(targets)
+        if day_tiers and not any(per_tier[TIERS.index(t)] for t in day_tiers):
+            raise ValueError(f"the SLO sets no target for the tiers of the traffic ({', '.join(day_tiers)})")
     except (OSError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    config = WorkerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.worker_queue_depth, args.kv_tokens)
+        raise PlanInputError(str(e)) from None
+    config = WorkerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.worker_queue_depth, args.kv_tokens,
+                          shares)
     uniform = args.arrivals == "uniform"
     day_reqs = traffic.requests(args.seed, uniform)
-    out = Path(args.out)
     for r in day_reqs:
         r.refused = not r.fits(config.kv_tokens)  # what the simulation marks on arrival
     servable = [r for r in day_reqs if not r.refused]
     if not servable:
         # nothing a worker could serve (no traffic, or every request larger than the KV cache): a plan that says so,
         # with no fleet to simulate and no capacity to measure
-        result = {"targets": [str(t) for t in targets], "hourly": traffic.hourly(), "need": [0] * 24,
+        result = {"targets": [str(t) for t in targets], "tier_shares": str(shares), "tiers": day_tiers,
+                  "hourly": traffic.hourly(), "need": [0] * 24,
                   "requests": len(day_reqs), **refusals(day_reqs), "summary": [],
                   "worker_capacity": args.worker_capacity, "cost_per_worker_hour": args.cost_per_worker_hour}
-        text = markdown_nothing_to_serve(result, args)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.md").write_text(text)
-        (out / "plan.json").write_text(json.dumps(result, indent=1))
-        print(text)
-        print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} (no plots: nothing is served)")
-        return 0
+        return result, markdown_nothing_to_serve(result, args)
     # the day's mean lengths over the requests a worker can take (each fits the cache, so their mean does)
     mean_prompt = round(sum(r.prompt for r in servable) / len(servable))
     mean_output = min(round(sum(r.output for r in servable) / len(servable)), config.kv_tokens - mean_prompt)
-    capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output, args.seed)
+    mix = [sum(r.tier == t for r in servable) / len(servable) for t in range(len(TIERS))]
+    try:
+        capacity = args.worker_capacity or worker_capacity(model, config, targets, mean_prompt, mean_output,
+                                                           args.seed, mix=mix)
+    except ValueError as e:  # the SLO sets nothing for the tiers a worker can serve
+        raise PlanInputError(str(e)) from None
     try:
         scaler = AutoscalerConfig(worker_capacity=capacity, min_workers=args.min_workers,
                                   max_workers=args.max_workers, target_utilization=args.target_utilization,
                                   scale_down_cooldown_s=args.scale_down_cooldown, warm_schedule=args.warm_schedule,
                                   warm_lead_s=args.warm_lead)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise PlanInputError(str(e)) from None
     result = plan(model, config, traffic, targets, args.seed, uniform, scaler, args.worker_start, args.workers)
-    result["worker_capacity"] = capacity
-    result["cost_per_worker_hour"] = args.cost_per_worker_hour
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(result, args)
-    (out / "plan.md").write_text(text)
-    (out / "plan.json").write_text(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1,
-                                              default=str))
-    plot(result, out)
-    print(text)
-    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {out / 'load_and_workers.png'}, {out / 'latency.png'}")
-    return 0
+    result.update(worker_capacity=capacity, cost_per_worker_hour=args.cost_per_worker_hour, tier_shares=str(shares),
+                  tiers=day_tiers)
+    return result, markdown(result, args)
 
 
 def plan(model, config, traffic, targets, seed, uniform, scaler, worker_start, workers=None) -> dict:
@@ -116,11 +145,19 @@ def refusals(reqs: list[Req]) -> dict:
 
 
 def summary(run: FleetRun, targets) -> dict:
+    """A fleet's day: hours meeting the SLO, the share within each target and the percentiles, in all and per tier
+    (the tier's requests, its hours meeting its own targets, its DESCRIBED percentiles)."""
     hours = [figures(h, targets) for h in by_hour(run.requests) if any(not r.refused for r in h)]
-    overall = figures(run.requests, targets)
+    overall = figures(run.requests, targets, describe=True)
+    tiers = overall.pop("tiers")
+    for name, f in tiers.items():
+        with_traffic = [h["tiers"][name] for h in hours if name in h["tiers"]]
+        f["hours_meeting_slo"] = sum(h["met"] for h in with_traffic)
+        f["hours_with_traffic"] = len(with_traffic)
     return {"fleet": run.name, "worker_hours": run.worker_hours, "hours_meeting_slo": sum(h["met"] for h in hours),
             "hours_with_traffic": len(hours), **{k: v for k, v in overall.items() if k.startswith("within_")},
-            **{k: v for k, v in overall.items() if k not in ("requests", "met") and not k.startswith("within_")}}
+            **{k: v for k, v in overall.items() if k not in ("requests", "met") and not k.startswith("within_")},
+            "tiers": tiers}
 
 
 def per_hour(run: FleetRun, targets) -> list[dict]:
@@ -158,10 +195,31 @@ def ramp(hourly, runs: list[FleetRun], targets) -> dict | None:
     return out
 
 
+def target_value(f: dict, tg: Target) -> float | None:
+    """A target's percentile in figures f: its tier's for a tier's own target, else over all tiers."""
+    return f["tiers"].get(tg.tier, {}).get(tg.key) if tg.tier else f.get(tg.key)
+
+
+def tiers_paragraph(result: dict) -> str:
+    """The shares the simulation modelled, and the day's tiers."""
+    tiers = result["tiers"]
+    shares = result["tier_shares"]
+    how = "strict priority" if shares == "strict" else f"capacity shares {shares}"
+    if len(tiers) > 1:
+        return f"Tiers: {', '.join(tiers)}, served with {how} (`--tier-shares`)."
+    alone = tiers[0] if tiers else "standard"
+    return f"Every request is of tier {alone} (modelled with {how}: one tier alone takes every seat)."
+
+
 def markdown(result: dict, args) -> str:
     price = result["cost_per_worker_hour"]
+    targets = parse_slo(",".join(result["targets"]))
+    metrics = list(dict.fromkeys(tg.metric for tg in targets))
+    several = len(result["tiers"]) > 1
     lines = [f"# Capacity plan: {Path(args.traffic).name}", "",
-             f"SLO: {', '.join(result['targets'])} (an hour meets it when its requests meet every target). "
+             f"SLO: {', '.join(result['targets'])} (an hour meets it when "
+             + ("each tier's requests meet that tier's targets: its own and those without a tier). " if several else
+                "its requests meet every target). ") + f"{tiers_paragraph(result)} "
              f"Worker model: {Path(args.profile).name}, max_num_seqs {args.max_num_seqs}, "
              f"max_num_batched_tokens {args.max_num_batched_tokens}, KV {args.kv_tokens} tokens. "
              f"Worker capacity for the autoscaler: {result['worker_capacity']:.0f} tokens/s "
@@ -169,10 +227,10 @@ def markdown(result: dict, args) -> str:
              *refused_paragraph(result, args),
              "## The fleets over the day", "",
              "| fleet | worker-hours | cost | hours meeting the SLO | " +
-             " | ".join(f"within {t.split('=')[0].split('_')[0]} target" for t in result["targets"]) + " |",
-             "|---|---|---|---|" + "---|" * len(result["targets"])]
+             " | ".join(f"within {m} target" for m in metrics) + " |",
+             "|---|---|---|---|" + "---|" * len(metrics)]
     for s in result["summary"]:
-        within = [f"{100 * s.get('within_' + t.split('_')[0], 1.0):.1f}%" for t in result["targets"]]
+        within = [f"{100 * s.get('within_' + m, 1.0):.1f}%" for m in metrics]
         lines.append(f"| {s['fleet']} | {s['worker_hours']:.1f} | {s['worker_hours'] * price:.2f} | "
                      f"{s['hours_meeting_slo']}/{s['hours_with_traffic']} | " + " | ".join(within) + " |")
     by_name = {s["fleet"]: s for s in result["summary"]}
@@ -183,6 +241,8 @@ def markdown(result: dict, args) -> str:
         lines += ["", f"The autoscaler uses {abs(saved):.1f} {'fewer' if saved >= 0 else 'more'} worker-hours than "
                   f"the fixed fleet of {result['fixed_workers']} ({abs(saved) * price:.2f} at {price:g} per "
                   f"worker-hour, {abs(100 * saved / fixed['worker_hours']):.0f}% {'less' if saved >= 0 else 'more'})."]
+    if several:
+        lines += ["", *per_tier_lines(result, targets)]
     r = result["ramp"]
     if r is not None:
         lines += ["", f"## The morning ramp (hours {r['hours'][0]:02d}-{r['hours'][1]:02d})", "",
@@ -190,7 +250,7 @@ def markdown(result: dict, args) -> str:
                   "|---|" + "---|" * (len(result["targets"]) + 1)]
         for name in [s["fleet"] for s in result["summary"]]:
             f = r[name]
-            cells = " | ".join(format_seconds(f.get(t.split("=")[0])) for t in result["targets"])
+            cells = " | ".join(format_seconds(target_value(f, tg)) for tg in targets)
             lines.append(f"| {name} | {cells} | {'yes' if f['met'] else 'no'} |")
     refused = result["refused_per_hour"] if result["refused"] else None
     lines += ["", "## Per hour", "",
@@ -198,17 +258,37 @@ def markdown(result: dict, args) -> str:
               " | ".join(f"{name}: workers, {result['targets'][0].split('=')[0]}, met"
                          for name in result["per_hour"]) + " |",
               "|---|---|---|---|" + ("---|" if refused else "") + "---|" * len(result["per_hour"])]
-    first = result["targets"][0].split("=")[0]
     for h, rps, tok in result["hourly"]:
         need = result["need"][h]
         cells = []
         for rows in result["per_hour"].values():
             row = rows[h]
-            cells.append(f"{row['workers']:.1f}, {format_seconds(row.get(first))}, {'yes' if row['met'] else 'NO'}"
+            missed = [name for name, f in row["tiers"].items() if not f["met"]]
+            met = "yes" if row["met"] else f"NO ({', '.join(missed)})" if several else "NO"
+            cells.append(f"{row['workers']:.1f}, {format_seconds(target_value(row, targets[0]))}, {met}"
                          if row["requests"] else f"{row['workers']:.1f}, -, -")
         lines.append(f"| {h:02d} | {rps:.2f} | {tok:.0f} | {need if need is not None else '>max'} | " +
                      (f"{refused[h]} | " if refused else "") + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def per_tier_lines(result: dict, targets: list[Target]) -> list[str]:
+    """Each fleet's day per tier: requests, hours meeting the tier's targets, its percentiles, the share within its
+    targets."""
+    own = dict(zip(TIERS, tier_targets(targets)))
+    lines = ["## Per tier", "", "Each tier's targets: " + "; ".join(
+        f"{name}: {', '.join(str(Target(t.metric, t.percentile, t.seconds)) for t in own[name]) or 'none'}"
+        for name in result["tiers"]) + ".", "",
+             "| fleet | tier | requests | hours meeting its SLO | " + " | ".join(k.replace("_", " ") for k in DESCRIBED)
+             + " | within its targets |", "|---|---|---|---|" + "---|" * (len(DESCRIBED) + 1)]
+    for s in result["summary"]:
+        for name, f in s["tiers"].items():
+            within = ", ".join(f"{m} {100 * f['within_' + m]:.1f}%"
+                               for m in dict.fromkeys(t.metric for t in own[name])) or "-"
+            lines.append(f"| {s['fleet']} | {name} | {f['requests']} | {f['hours_meeting_slo']}/"
+                         f"{f['hours_with_traffic']} | " + " | ".join(format_seconds(f[k]) for k in DESCRIBED) +
+                         f" | {within} |")
+    return lines
 
 
 def refused_paragraph(result: dict, args) -> list[str]:
@@ -271,20 +351,21 @@ def plot(result: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(targets), 1, figsize=(11, 3.2 * len(targets)), sharex=True, squeeze=False)
     for ax, target in zip(axes[:, 0], targets):
         name, limit = target.split("=")
-        metric, p = name.split("_p")
+        tg = parse_slo(target)[0]
+        metric, p = tg.metric, tg.percentile
         for r in runs:
             bins = [[] for _ in range(96)]
             for q in r.requests:
-                if q.refused:
+                if q.refused or (tg.tier is not None and TIERS[q.tier] != tg.tier):
                     continue
                 v = getattr(q, metric)
                 if v is not None:
                     bins[min(95, int(q.t // 900))].append(v)
             from .plan import percentile
 
-            ax.plot([i / 4 + 0.125 for i in range(96)], [percentile(b, float(p)) if b else float("nan") for b in bins],
+            ax.plot([i / 4 + 0.125 for i in range(96)], [percentile(b, p) if b else float("nan") for b in bins],
                     label=r.name)
-        ax.axhline(parse_slo(target)[0].seconds, color="k", ls="--", lw=0.8, label=f"SLO {limit}")
+        ax.axhline(tg.seconds, color="k", ls="--", lw=0.8, label=f"SLO {limit}")
         ax.set_ylabel(f"{name} (s), per 15 min")
         ax.set_yscale("log")
         ax.legend(fontsize=8)

@@ -15,6 +15,25 @@ Time only jumps: from one event (an arrival, a step's end, a worker ready, a fle
 the next. A run of steps that only decode, with nothing to admit, is taken in one jump (until the first sequence
 finishes or the KV cache is full), cut short at the first step boundary after new work is sent to that worker: what
 the step-by-step run would do, in one event instead of one per step, so a day of traffic takes seconds.
+
+Tiers (each request has one: interactive, standard, batch; `WorkerConfig.tier_shares`, the `--tier-shares` of the
+engine and the gateway, inferd/engine/tier_shares.py). With capacity shares:
+- the engine gives a free seat (one of `max_num_seqs` running sequences) to `next_tier(running per tier, tiers with
+  requests waiting in that worker)`, first come first served within a tier. When no seat is free, a waiting request
+  of a tier that `may_reclaim` takes the seat of the newest running request of a tier that `may_lend` to it (the least
+  important lender first), which is preempted and recomputed later, as a KV preemption is;
+- a step's prompt chunks of a tier take at most max(floor(share x max_num_batched_tokens), 32) tokens while a more
+  important tier has requests in that worker (decodes still go first);
+- the gateway keeps one waiting line per tier (first come first served: the real one shares a tier between tenants).
+  The next tier to dispatch is `next_tier(bound sequences per tier over the ready workers, tiers with waiters)`; a
+  tier that no worker has room for is skipped and the next one tried. A worker of capacity C = max_num_seqs +
+  worker_queue_depth has room for a tier when it holds fewer than C requests, or when that tier's requests + 1 are
+  within its share of C (a tier below its share overfills a worker that others borrowed: the engine reclaims).
+Strict (`--tier-shares strict`): the engine serves tiers in priority order and a waiting request takes the seat of a
+running one of a less important tier; prompt chunks are not capped; a worker holds up to C requests of a tier or a
+more important one (the less important do not count against it), and the gateway dispatches in priority order.
+A day of one tier is served as it was before tiers: first come first served. The run of decode steps in one jump
+holds with tiers: it is only taken with nothing waiting in the worker, so no tier decision falls inside it.
 """
 
 from __future__ import annotations
@@ -27,7 +46,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_WORKER_QUEUE_DEPTH
+from ..config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TIER,
+    DEFAULT_WORKER_QUEUE_DEPTH,
+    TIERS,
+)
+from ..engine.tier_shares import TierShares, tier_counts
+
+DEFAULT_TIER_RANK = TIERS.index(DEFAULT_TIER)
+# the fewest prompt tokens a step gives a tier held back by a more important one (the engine's floor: a small share
+# of a small token budget still moves a prompt forward)
+MIN_TIER_PROMPT_TOKENS = 32
 
 
 class StepModel:
@@ -128,6 +159,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     worker_queue_depth: int = DEFAULT_WORKER_QUEUE_DEPTH
     kv_tokens: int = 2912 * 16  # the default model's pool under the default --kv-cache-bytes (2912 blocks of 16)
+    tier_shares: TierShares = field(default_factory=TierShares.parse)  # --tier-shares (default: config's)
 
 
 @dataclass(eq=False)
@@ -142,6 +174,7 @@ class Req:
     done: float | None = None
     kv: int = 0  # KV cache tokens it holds on its worker
     refused: bool = False  # larger than the KV cache: the engine refuses it (no first token, never done)
+    tier: int = DEFAULT_TIER_RANK  # its tier's rank in config.TIERS (0: interactive, the most important)
 
     def __post_init__(self):
         self.need = self.prompt
@@ -168,8 +201,10 @@ class Worker:
     wid: int
     launched: float  # when it was started (billed from here)
     ready: float  # when it takes work
-    running: list = field(default_factory=list)
-    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)  # in admission order
+    waiting: list = field(default_factory=lambda: [deque() for _ in TIERS])  # per tier rank, in arrival order
+    bound: list = field(default_factory=lambda: [0] * len(TIERS))  # requests it holds per tier (running + waiting)
+    load: int = 0  # requests it holds, all tiers (the sum of bound, kept: the dispatch reads it at every event)
     busy: bool = False
     retiring: bool = False
     stopped: float | None = None
@@ -179,10 +214,6 @@ class Worker:
     preemptions: int = 0
     step_token: int = 0  # the step in flight (a STEP_END with an older token was cut short: ignored)
     jump: tuple | None = None  # a run of decode steps in flight: (start, mean step_s, steps, decoding, context)
-
-    @property
-    def load(self) -> int:
-        return len(self.running) + len(self.waiting)
 
     def kv_at(self, now: float) -> int:
         """KV tokens held at `now` (kv_used is brought up to date at a step's end: within a run of decode steps,
@@ -208,7 +239,8 @@ class Simulation:
         self.requests = requests
         self.start_delay_s = start_delay_s
         self.workers: list[Worker] = []
-        self.line: deque[Req] = deque()
+        self.lines: list[deque[Req]] = [deque() for _ in TIERS]  # the gateway's waiting line of each tier
+        self._tiers_seen: set[int] = set()  # one tier all along: the tier rules cannot apply (the fast paths)
         self.now = 0.0
         self._steps: list = []  # (time, seq, kind, payload) of step ends
         self._control: list = []  # the same, of everything else (a worker ready, a fleet change, a tick)
@@ -280,7 +312,8 @@ class Simulation:
                     r.refused = True
                     self.refused.append(r)
                     continue
-                self.line.append(r)
+                self.lines[r.tier].append(r)
+                self._tiers_seen.add(r.tier)
                 self._dispatch()
                 continue
             t, _, kind, payload = heapq.heappop(self._steps if step <= control else self._control)
@@ -296,21 +329,63 @@ class Simulation:
                 self.set_fleet(payload, delay=0.0)
                 self._dispatch()
             elif kind == TICK:
-                finished = self._next_arrival >= len(reqs) and not self.line and \
+                finished = self._next_arrival >= len(reqs) and not any(self.lines) and \
                     not any(w.load for w in self.workers) and (until is None or t >= until)
                 if not finished:
                     self.on_tick(self)
                     self._dispatch()
                     self._push(t + self.tick_s, TICK, None)
 
+    def queued(self) -> list[Req]:
+        """The requests waiting in the gateway, all tiers."""
+        return [r for line in self.lines for r in line]
+
+    def _has_room(self, w: Worker, tier: int, cap: int) -> bool:
+        """Whether the gateway may send a request of `tier` to w (capacity cap = max_num_seqs + worker_queue_depth)."""
+        fractions = self.config.tier_shares.fractions
+        if fractions is None:  # strict: only this tier and the more important ones count against it
+            return sum(w.bound[:tier + 1]) < cap
+        return w.load < cap or w.bound[tier] + 1 <= fractions[tier] * cap + 1e-9
+
     def _dispatch(self) -> None:
+        lines = self.lines
+        ready = [w for w in self.workers if not w.retiring and w.ready <= self.now and w.stopped is None] \
+            if any(lines) else []
         cap = self.config.max_num_seqs + self.config.worker_queue_depth
-        ready = [w for w in self.workers if not w.retiring and w.ready <= self.now and w.stopped is None]
-        while self.line and ready:
-            w = min(ready, key=lambda w: (w.load, w.wid))
-            if w.load >= cap:
+        shares = self.config.tier_shares
+        if ready and len(self._tiers_seen) == 1:  # one tier all along: to the least loaded worker while it has room
+            (t,) = self._tiers_seen
+            line = lines[t]
+            while line:
+                w = min(ready, key=_by_load)
+                if w.load >= cap:
+                    break
+                w.waiting[t].append(line.popleft())
+                w.bound[t] += 1
+                w.load += 1
+                if w.jump is not None:
+                    self._cut_jump(w)
+            ready = []
+        while ready:
+            tiers = [t for t, line in enumerate(lines) if line]
+            if not tiers:
                 break
-            w.waiting.append(self.line.popleft())
+            if len(tiers) > 1:
+                tiers = shares.tier_order([sum(w.bound[t] for w in ready) for t in range(len(TIERS))], tiers)
+            w = min(ready, key=_by_load)
+            if w.load < cap:  # room for every tier: the next in order takes it
+                t = tiers[0]
+            else:
+                for t in tiers:  # a tier no worker has room for is skipped: the next one is tried
+                    room = [w for w in ready if self._has_room(w, t, cap)]
+                    if room:
+                        w = min(room, key=_by_load)
+                        break
+                else:
+                    break
+            w.waiting[t].append(lines[t].popleft())
+            w.bound[t] += 1
+            w.load += 1
             if w.jump is not None:
                 self._cut_jump(w)
         for w in self.workers:
@@ -321,39 +396,70 @@ class Simulation:
     def _step(self, w: Worker) -> None:
         c = self.config
         budget = c.max_num_batched_tokens
+        shares = c.tier_shares
         decoding = [r for r in w.running if r.prefilled >= r.need]
         # the KV cache must hold one more token per decoding sequence: preempt the newest until it does
         while decoding and w.kv_used + len(decoding) > c.kv_tokens:
-            victim = w.running.pop()
-            w.kv_used -= victim.kv
-            victim.kv = 0
-            victim.need, victim.prefilled = victim.prompt + victim.generated, 0
-            w.waiting.appendleft(victim)
-            w.preemptions += 1
+            self._preempt(w, w.running[-1])
+            decoding = [r for r in w.running if r.prefilled >= r.need]
+        waiting = w.waiting
+        several = len(TIERS) - w.bound.count(0) > 1  # more than one tier in this worker: the tier rules apply
+        if several and len(w.running) >= c.max_num_seqs and any(waiting):
+            self._reclaim(w)
             decoding = [r for r in w.running if r.prefilled >= r.need]
         budget -= len(decoding)
+        # each tier's prompt tokens this step: capped at its share while a more important tier has requests here
+        prompt_left = [budget] * len(TIERS) if several else []
+        if several and shares.fractions is not None:
+            for t, f in enumerate(shares.fractions):
+                if any(w.bound[:t]):
+                    prompt_left[t] = max(int(f * c.max_num_batched_tokens), MIN_TIER_PROMPT_TOKENS)
         chunks = []
-        for r in w.running:
-            if r.prefilled < r.need and budget > 0:
-                n = min(r.need - r.prefilled, budget)
+        if not several:  # one tier here: prompt chunks in admission order, admission first come first served
+            for r in w.running:
+                if r.prefilled < r.need and budget > 0:
+                    n = min(r.need - r.prefilled, budget)
+                    chunks.append((r, n))
+                    budget -= n
+            for line in waiting:  # the one tier waiting here, if any
+                if line:
+                    break
+            while line and budget > 0 and len(w.running) < c.max_num_seqs \
+                    and w.kv_used + line[0].need + 1 <= c.kv_tokens:
+                r = line.popleft()
+                w.running.append(r)
+                w.kv_used += r.need
+                r.kv = r.need
+                n = min(r.need, budget)
                 chunks.append((r, n))
                 budget -= n
-        while w.waiting and budget > 0 and len(w.running) < c.max_num_seqs \
-                and w.kv_used + w.waiting[0].need + 1 <= c.kv_tokens:
-            r = w.waiting.popleft()
-            w.running.append(r)
-            w.kv_used += r.need
-            r.kv = r.need
-            n = min(r.need, budget)
+        for r in w.running if several else ():
+            if r.prefilled < r.need and budget > 0:
+                n = min(r.need - r.prefilled, budget, prompt_left[r.tier])
+                if n > 0:
+                    chunks.append((r, n))
+                    budget -= n
+                    prompt_left[r.tier] -= n
+        while several and budget > 0 and len(w.running) < c.max_num_seqs:
+            tiers = [t for t, q in enumerate(waiting) if q and prompt_left[t] > 0]
+            if not tiers:
+                break
+            t = tiers[0] if len(tiers) == 1 else shares.next_tier(tier_counts(q.tier for q in w.running), tiers)
+            if w.kv_used + waiting[t][0].need + 1 > c.kv_tokens:
+                break  # the next one in order waits for the KV cache
+            r = waiting[t].popleft()
+            self._admit(w, r)
+            n = min(r.need, budget, prompt_left[t])
             chunks.append((r, n))
             budget -= n
+            prompt_left[t] -= n
         if not decoding and not chunks:
             return  # nothing fits now (every request fits an empty cache: run() refuses the others)
         prefill = sum(n for _, n in chunks)
         context = sum(r.need + r.generated for r in decoding) / len(decoding) if decoding else 0.0
         dt = self.model.step(len(decoding), context, prefill)
         k = 1
-        if self.jumps and not chunks and not w.waiting:
+        if self.jumps and not chunks and not any(waiting):
             # only decodes and nothing to admit: the steps up to the first sequence's end (or a full KV cache) in one
             # event; k steps take k times the step time at their mean context (exact while the step time is linear
             # in the context, as it is between the profile's points)
@@ -368,6 +474,49 @@ class Simulation:
         w.step_token += 1
         w.jump = (self.now, dt, k, decoding, context) if k > 1 else None
         self._push(self.now + k * dt, STEP_END, (w, decoding, chunks, k, w.step_token))
+
+    @staticmethod
+    def _admit(w: Worker, r: Req) -> None:
+        w.running.append(r)
+        w.kv_used += r.need
+        r.kv = r.need
+
+    def _preempt(self, w: Worker, victim: Req) -> None:
+        """Back to the front of its tier's waiting line, its KV cache freed: recomputed when it runs again."""
+        w.running.remove(victim)
+        w.kv_used -= victim.kv
+        victim.kv = 0
+        victim.need, victim.prefilled = victim.prompt + victim.generated, 0
+        w.waiting[victim.tier].appendleft(victim)
+        w.preemptions += 1
+
+    def _reclaim(self, w: Worker) -> None:
+        """No seat is free: a waiting tier that may reclaim takes the seat of the newest running request of a tier
+        that may lend to it (the least important lender first), as long as the KV cache holds it. Each move brings
+        both tiers closer to their nominal seats (strict: moves a seat to a more important tier), so it ends."""
+        c, shares = self.config, self.config.tier_shares
+        held = tier_counts(r.tier for r in w.running)
+        moved = True
+        while moved:
+            moved = False
+            for t in shares.tier_order(held, [t for t, q in enumerate(w.waiting) if q]):
+                if not shares.may_reclaim(held, t, c.max_num_seqs):
+                    continue
+                taker = w.waiting[t][0]
+                for v in reversed(range(len(TIERS))):
+                    if not held[v] or not shares.may_lend(held, v, c.max_num_seqs, t):
+                        continue
+                    victim = next(r for r in reversed(w.running) if r.tier == v)
+                    if w.kv_used - victim.kv + taker.need + 1 > c.kv_tokens:
+                        continue
+                    self._preempt(w, victim)
+                    self._admit(w, w.waiting[t].popleft())
+                    held[v] -= 1
+                    held[t] += 1
+                    moved = True
+                    break
+                if moved:
+                    break
 
     def _cut_jump(self, w: Worker) -> None:
         """Work was sent to a worker in a run of decode steps: the run ends at the first step boundary from now
@@ -410,7 +559,14 @@ class Simulation:
         for r in [r for r in w.running if r.generated >= r.output]:
             r.done = self.now
             w.running.remove(r)
+            w.bound[r.tier] -= 1
+            w.load -= 1
             w.kv_used -= r.kv
             r.kv = 0
         self._maybe_stop(w)
         self._dispatch()
+
+
+def _by_load(w: Worker) -> tuple[int, int]:
+    """The router's order: the least loaded worker first."""
+    return w.load, w.wid

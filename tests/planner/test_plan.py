@@ -4,14 +4,18 @@ step (its first token at 0.1 s) and 9 decode steps: 1.0 s of a worker, and a wor
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import datetime
 
 import pytest
 
+from inferd.cli.plan import add_plan_arguments
 from inferd.cluster.autoscaler import Autoscaler, AutoscalerConfig
+from inferd.engine.tier_shares import TierShares
 from inferd.planner.plan import (
     HOUR,
     Traffic,
@@ -22,8 +26,10 @@ from inferd.planner.plan import (
     read_traffic,
     run_autoscaler,
     run_fixed,
+    tier_targets,
     worker_capacity,
 )
+from inferd.planner.report import cmd_plan, make_plan, tiers_paragraph
 from inferd.planner.sim import Req, Simulation, StepModel, WorkerConfig
 
 FLAT = StepModel({(1, 1): 0.1, (64, 1): 0.1, (1, 100000): 0.1, (64, 100000): 0.1}, {1: 0.1, 100000: 0.1})
@@ -265,3 +271,199 @@ def test_a_day_with_nothing_to_serve_is_a_plan_that_says_so(tmp_path):
         assert result["need"] == [0] * 24 and result["summary"] == []
         assert result["refused"] == (2 if traffic is too_big else 0)
     assert result["refused_per_hour"][:2] == [1, 1] and result["largest_refused_tokens"] == 501
+
+
+# ---- tiers (issue 29): capacity shares between interactive, standard and batch ------------------------------------
+SHARED = WorkerConfig(max_num_seqs=20, max_num_batched_tokens=256, worker_queue_depth=4, kv_tokens=100000)
+INTERACTIVE, STANDARD, BATCH = range(3)
+
+
+def with_shares(config: WorkerConfig, shares: str) -> WorkerConfig:
+    return replace(config, tier_shares=TierShares.parse(shares))
+
+
+def backlog(counts: dict[int, int], shares: str = "interactive=70,standard=25,batch=5", config=SHARED, output=10):
+    """counts[tier] requests of each tier, all at t=0 (interleaved), on one worker; run to the end."""
+    order = [t for i in range(max(counts.values())) for t in counts if i < counts[t]]
+    reqs = [Req(0.0, 10, output, tier=t) for t in order]
+    sim = Simulation(FLAT, with_shares(config, shares), reqs, workers=1)
+    sim.run()
+    assert all(r.done is not None for r in reqs)
+    return reqs, sim
+
+
+def token_shares(reqs, until: float) -> list[float]:
+    """Each tier's share of the output tokens of the requests done by `until` (every tier still backlogged then)."""
+    tokens = [sum(r.output for r in reqs if r.tier == t and r.done <= until) for t in range(3)]
+    return [n / sum(tokens) for n in tokens]
+
+
+def test_three_backlogged_tiers_get_their_shares_of_one_worker():
+    # 600 requests of each tier at once; 20 seats, 20 requests/s in all: over the first 20 s no tier runs dry, and
+    # the seats go 14/5/1 (D'Hondt), so the tokens 70/25/5
+    reqs, sim = backlog({INTERACTIVE: 600, STANDARD: 600, BATCH: 600})
+    shares = token_shares(reqs, until=20.0)
+    for got, want in zip(shares, (0.70, 0.25, 0.05)):
+        assert abs(got - want) < 0.10, shares
+    assert shares[BATCH] > 0.02  # batch is never starved
+    # another split of the same day follows the flag
+    reqs, _ = backlog({INTERACTIVE: 600, STANDARD: 600, BATCH: 600}, shares="interactive=40,standard=40,batch=20")
+    for got, want in zip(token_shares(reqs, until=20.0), (0.40, 0.40, 0.20)):
+        assert abs(got - want) < 0.10
+
+
+def test_two_backlogged_tiers_the_idle_tiers_share_goes_to_the_busier():
+    # standard idle: its 25% is lent; batch keeps its own 5% (1 seat of 20), interactive takes the rest
+    reqs, _ = backlog({INTERACTIVE: 600, BATCH: 600})
+    shares = token_shares(reqs, until=20.0)
+    assert shares[STANDARD] == 0 and abs(shares[BATCH] - 0.05) < 0.03 and shares[INTERACTIVE] > 0.9, shares
+    # batch alone first, holding every seat with long requests; interactive arriving later reclaims its 14 seats at
+    # once (the newest batch requests preempted) instead of waiting for batch requests to finish (200 steps each)
+    config = with_shares(SHARED, "interactive=70,standard=25,batch=5")
+    batch = [Req(0.0, 10, 200, tier=BATCH) for _ in range(40)]
+    interactive = [Req(5.0, 10, 10, tier=INTERACTIVE) for _ in range(14)]
+    sim = Simulation(FLAT, config, batch + interactive, workers=1)
+    sim.run()
+    assert max(r.ttft for r in interactive) < 0.5
+    assert sim.workers[0].preemptions >= 14
+    assert all(r.done is not None and r.generated == r.output for r in batch + interactive)
+
+
+def test_one_tier_alone_gets_every_seat():
+    # whatever its share, a tier alone is served as a day of one tier always was: the same times as the same
+    # requests all standard, under shares and strict alike
+    same = [Req(0.0, 10, 10) for _ in range(100)]
+    Simulation(FLAT, SHARED, same, workers=1).run()
+    for shares in ("interactive=70,standard=25,batch=5", "strict"):
+        reqs, sim = backlog({BATCH: 100}, shares=shares)
+        assert [(r.first_token, r.done) for r in reqs] == [(r.first_token, r.done) for r in same]
+        assert sim.workers[0].preemptions == 0
+    assert sum(r.first_token <= 0.2 + 1e-9 for r in same) == 20  # all 20 seats: the first step, then 19 more
+
+
+def test_strict_serves_interactive_before_standard():
+    # strict: interactive takes every seat (standard's running ones preempted) until it has nothing left; with
+    # shares, standard keeps a quarter of the seats meanwhile
+    standard = [Req(0.0, 10, 10, tier=STANDARD) for _ in range(100)]
+    interactive = [Req(0.05, 10, 10, tier=INTERACTIVE) for _ in range(300)]
+    Simulation(FLAT, with_shares(SHARED, "strict"), standard + interactive, workers=1).run()
+    assert min(r.done for r in standard) > max(r.done for r in interactive)
+    standard = [Req(0.0, 10, 10, tier=STANDARD) for _ in range(100)]
+    interactive = [Req(0.05, 10, 10, tier=INTERACTIVE) for _ in range(300)]
+    Simulation(FLAT, with_shares(SHARED, "interactive=70,standard=25,batch=5"), standard + interactive,
+               workers=1).run()
+    last = max(r.done for r in interactive)
+    done = sum(r.done < last for r in standard)
+    assert 0.2 < done / (done + len(interactive)) < 0.35  # ~25/(70+25) of the requests done meanwhile
+
+
+def test_a_tier_held_back_prefills_at_its_share_of_the_token_budget():
+    # an interactive request decoding for a while; a batch prompt of 320 tokens beside it gets max(5% of 256, 32) =
+    # 32 prompt tokens a step (10 steps); strict does not cap it (255 + 65 tokens: 2 steps)
+    for shares, steps in (("interactive=70,standard=25,batch=5", 10), ("strict", 2)):
+        long = Req(0.0, 10, 100, tier=INTERACTIVE)
+        prompt = Req(0.05, 320, 2, tier=BATCH)
+        Simulation(FLAT, with_shares(SHARED, shares), [long, prompt], workers=1).run()
+        assert prompt.first_token == pytest.approx(0.1 + steps * 0.1), shares
+
+
+def test_runs_of_decode_steps_with_tiers_equal_step_by_step():
+    # the jump over decode-only steps with three tiers, shares and strict, a small token budget (prompt caps) and a
+    # small KV cache (KV preemptions beside the reclaimed seats): the same times as one event per step
+    import random
+
+    model = StepModel.load("docs/profile/bf16/profile.json")
+    rng = random.Random(3)
+    arrivals, t = [], 0.0
+    while t < 120:
+        t += rng.expovariate(4.0)
+        arrivals.append((t, rng.randint(20, 300), rng.randint(5, 120), rng.randrange(3)))
+    for shares in ("interactive=70,standard=25,batch=5", "strict"):
+        config = with_shares(WorkerConfig(max_num_seqs=8, max_num_batched_tokens=128, worker_queue_depth=2,
+                                          kv_tokens=2000), shares)
+        runs = []
+        for jumps in (True, False):
+            reqs = [Req(t, p, o, tier=tier) for t, p, o, tier in arrivals]
+            sim = Simulation(model, config, reqs, workers=2, jumps=jumps)
+            sim.run()
+            runs.append((reqs, sum(w.steps for w in sim.workers), sum(w.preemptions for w in sim.workers)))
+        (jumped, steps_j, pre_j), (stepped, steps_s, pre_s) = runs
+        assert steps_j == steps_s and pre_j == pre_s > 0
+        for a, b in zip(jumped, stepped):
+            assert a.first_token == pytest.approx(b.first_token, rel=1e-9, abs=1e-9)
+            assert a.done == pytest.approx(b.done, rel=1e-9, abs=1e-9)
+
+
+def plan_args(tmp_path, traffic, *extra, slo="ttft_p99=500ms") -> argparse.Namespace:
+    """`inferd plan`'s command line, parsed by its own parser, on the synthetic profile."""
+    write_profile(tmp_path / "profile.json")
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return parser.parse_args(["--traffic", str(traffic), "--slo", slo, "--profile", str(tmp_path / "profile.json"),
+                              "--max-num-seqs", "1", "--worker-capacity", "20", "--out", str(tmp_path / "plan"),
+                              *extra])
+
+
+def test_a_mixed_tier_day_is_planned_per_tier(tmp_path):
+    # hour 0: 10 batch requests at 0..9 s and 5 interactive at 0, 2, .. 8 s on one worker of one seat (1 request/s):
+    # interactive takes the seat whenever it waits (at most one batch request, 1 s, ahead of it), batch waits
+    # behind the backlog: interactive meets 1.5s, batch does not
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t,prompt_tokens,output_tokens,tier\n" + "".join(f"{i},10,10,batch\n" for i in range(10)) +
+                     "".join(f"{i}.5,10,10,interactive\n" for i in range(0, 10, 2)))
+    # (the plan as `inferd plan` makes it, in this process and without its plots: they take a second)
+    result, text = make_plan(plan_args(tmp_path, trace, "--workers", "1", "--max-workers", "2",
+                                       slo="interactive:ttft_p99=1.5s,batch:ttft_p99=1.5s,e2e_p99=1h"))
+    assert "Tiers: interactive, batch, served with capacity shares interactive=70,standard=25,batch=5" in text
+    assert "interactive: e2e_p99=3600.00s, ttft_p99=1.50s; batch: e2e_p99=3600.00s, ttft_p99=1.50s" in text
+    assert "| fixed 1 | interactive | 5 | 1/1 |" in text and "| fixed 1 | batch | 10 | 0/1 |" in text
+    assert "NO (batch)" in text  # the hour's row names the tier that missed
+    assert result["tier_shares"] == "interactive=70,standard=25,batch=5"
+    fixed = result["summary"][0]
+    assert fixed["hours_meeting_slo"] == 0 and result["need"][0] == 2
+    tiers = fixed["tiers"]
+    assert tiers["interactive"]["ttft_p99"] <= 1.5 < tiers["batch"]["ttft_p99"]
+    assert tiers["interactive"]["within_ttft"] == 1.0 and tiers["batch"]["within_ttft"] < 0.5
+    assert fixed["within_ttft"] == pytest.approx((5 + 10 * tiers["batch"]["within_ttft"]) / 15)
+    # the plan says which rule it modelled
+    assert tiers_paragraph({"tiers": ["interactive", "batch"], "tier_shares": "strict"}) == \
+        "Tiers: interactive, batch, served with strict priority (`--tier-shares`)."
+    assert tiers_paragraph({"tiers": ["standard"], "tier_shares": "interactive=70,standard=25,batch=5"}).startswith(
+        "Every request is of tier standard")
+
+
+def test_tier_columns_and_per_tier_targets_are_checked(tmp_path, capsys):
+    hours = tmp_path / "hours.csv"
+    hours.write_text("hour,requests_per_s,prompt_tokens,output_tokens,tier\n0,1,10,10,interactive\n"
+                     "0,2,20,20,batch\n1,0.5,10,10,\n")
+    traffic = read_traffic(hours)
+    assert [(h.hour, h.tier) for h in traffic.hours] == [(0, INTERACTIVE), (0, BATCH), (1, STANDARD)]
+    assert traffic.tiers() == ["interactive", "standard", "batch"]
+    assert traffic.hourly()[0] == (0, 3.0, 100.0)  # an hour's tiers together
+    reqs = traffic.requests(0, uniform=True, hours=range(1))
+    assert [r.t for r in reqs] == sorted(r.t for r in reqs) and {r.tier for r in reqs} == {INTERACTIVE, BATCH}
+    for text, match in (("0,1,10,10,gold\n", "line 2: the tier 'gold' is not one of interactive, standard, batch"),
+                        ("0,1,10,10,batch\n0,2,10,10,batch\n", "line 3: hour 0 of tier batch appears twice")):
+        hours.write_text("hour,requests_per_s,prompt_tokens,output_tokens,tier\n" + text)
+        with pytest.raises(ValueError, match=match):
+            read_traffic(hours)
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t,prompt_tokens,output_tokens,tier\n1,10,10,Interactive\n2,10,10,premium\n")
+    with pytest.raises(ValueError, match="line 3: the tier 'premium'"):
+        read_traffic(trace)
+    trace.write_text("t,prompt_tokens,output_tokens,tier\n1,10,10,Interactive\n2,10,10\n")
+    assert [r.tier for r in read_traffic(trace).requests(0)] == [INTERACTIVE, STANDARD]
+    # targets: a tier's own replaces the every-tier one of the same metric and percentile
+    targets = parse_slo("ttft_p99=2s,interactive:ttft_p99=500ms,batch:e2e_p99=1h")
+    assert [str(t) for t in targets] == ["ttft_p99=2.00s", "interactive:ttft_p99=500ms", "batch:e2e_p99=3600.00s"]
+    own = tier_targets(targets)
+    assert [[str(t) for t in ts] for ts in own] == [["interactive:ttft_p99=500ms"], ["ttft_p99=2.00s"],
+                                                    ["ttft_p99=2.00s", "batch:e2e_p99=3600.00s"]]
+    for text in ("gold:ttft_p99=1s", ":ttft_p99=1s"):
+        with pytest.raises(ValueError, match="is not one of"):
+            parse_slo(text)
+    # the command line: a bad --tier-shares, and an SLO that sets nothing for the day's tiers
+    assert cmd_plan(plan_args(tmp_path, trace, "--tier-shares", "gold=1")) == 2
+    assert "--tier-shares: tier shares must be" in capsys.readouterr().err
+    assert cmd_plan(plan_args(tmp_path, trace, slo="batch:ttft_p99=1s")) == 2
+    assert "the SLO sets no target for the tiers of the traffic (interactive, standard)" in capsys.readouterr().err
