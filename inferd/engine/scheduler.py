@@ -35,7 +35,6 @@ from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
 from .tier_shares import TierShares, tier_counts
 
-
 _LAST_TIER = len(TIERS) - 1
 
 

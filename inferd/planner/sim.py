@@ -27,8 +27,8 @@ engine and the gateway, inferd/engine/tier_shares.py). With capacity shares:
 - the gateway keeps one waiting line per tier (first come first served: the real one shares a tier between tenants).
   The next tier to dispatch is `next_tier(bound sequences per tier over the ready workers, tiers with waiters)`; a
   tier that no worker has room for is skipped and the next one tried. A worker of capacity C = max_num_seqs +
-  worker_queue_depth has room for a tier when it holds fewer than C requests, or when that tier's requests + 1 are
-  within its share of C (a tier below its share overfills a worker that others borrowed: the engine reclaims).
+  worker_queue_depth has room for a tier when it holds fewer than C requests, or when that tier holds fewer than its
+  own seats of C while another tier holds more than its own (the gateway's rule: the engine then reclaims).
 Strict (`--tier-shares strict`): the engine serves tiers in priority order and a waiting request takes the seat of a
 running one of a less important tier; prompt chunks are not capped; a worker holds up to C requests of a tier or a
 more important one (the less important do not count against it), and the gateway dispatches in priority order.
@@ -345,7 +345,8 @@ class Simulation:
         fractions = self.config.tier_shares.fractions
         if fractions is None:  # strict: only this tier and the more important ones count against it
             return sum(w.bound[:tier + 1]) < cap
-        return w.load < cap or w.bound[tier] + 1 <= fractions[tier] * cap + 1e-9
+        shares = self.config.tier_shares  # as the gateway: over-filled only where another tier holds more than its own
+        return w.load < cap or (shares.may_reclaim(w.bound, tier, cap) and shares.lendable(w.bound, tier, cap) >= 1)
 
     def _dispatch(self) -> None:
         lines = self.lines
@@ -371,7 +372,8 @@ class Simulation:
             if not tiers:
                 break
             if len(tiers) > 1:
-                tiers = shares.tier_order([sum(w.bound[t] for w in ready) for t in range(len(TIERS))], tiers)
+                tiers = shares.tier_order([sum(w.bound[t] for w in ready) for t in range(len(TIERS))], tiers,
+                                          cap * len(ready))
             w = min(ready, key=_by_load)
             if w.load < cap:  # room for every tier: the next in order takes it
                 t = tiers[0]
@@ -444,7 +446,8 @@ class Simulation:
             tiers = [t for t, q in enumerate(waiting) if q and prompt_left[t] > 0]
             if not tiers:
                 break
-            t = tiers[0] if len(tiers) == 1 else shares.next_tier(tier_counts(q.tier for q in w.running), tiers)
+            t = tiers[0] if len(tiers) == 1 else shares.next_tier(tier_counts(q.tier for q in w.running), tiers,
+                                                                     c.max_num_seqs)
             if w.kv_used + waiting[t][0].need + 1 > c.kv_tokens:
                 break  # the next one in order waits for the KV cache
             r = waiting[t].popleft()
@@ -499,7 +502,7 @@ class Simulation:
         moved = True
         while moved:
             moved = False
-            for t in shares.tier_order(held, [t for t, q in enumerate(w.waiting) if q]):
+            for t in shares.tier_order(held, [t for t, q in enumerate(w.waiting) if q], c.max_num_seqs):
                 if not shares.may_reclaim(held, t, c.max_num_seqs):
                     continue
                 taker = w.waiting[t][0]

@@ -59,13 +59,13 @@ class Load:
                 continue
             self.finished.append((tier, time.monotonic(), r.json()["usage"]["completion_tokens"]))
 
-    def shares_over(self, tokens: int, timeout: float = 90.0) -> dict[str, float]:
+    def shares_over(self, tokens: int, timeout: float = 90.0, steady: list[str] | None = None) -> dict[str, float]:
         """Each tier's share of the completion tokens finished over a window of at least `tokens` tokens, which
-        starts once every tier with clients has finished a request sent after this call (a steady state: the
-        window does not depend on the machine's speed)."""
+        starts once every tier with clients (or those in `steady`) has finished a request sent after this call (a
+        steady state: the window does not depend on the machine's speed)."""
         start = time.monotonic()
         deadline = start + timeout
-        active = [t for t in TIERS if self.wanted[t] > 0]
+        active = steady if steady is not None else [t for t in TIERS if self.wanted[t] > 0]
         while not all(any(tier == t and at > start for tier, at, _ in list(self.finished)) for t in active):
             assert time.monotonic() < deadline, f"some tier never finished a request: {self.errors[:3]}"
             time.sleep(0.05)
@@ -158,8 +158,9 @@ def test_strict_lets_interactive_starve_standard(serve, keys):
                             and m.get('inferd_queue_requests{tier="interactive"}', 0) > 0)
         # the standard requests bound before interactive's backlog built up have finished
         server.wait_metrics(lambda m: m.get('inferd_tier_bound_sequences{tier="standard"}', 1) == 0)
-        got = load.shares_over(500)
+        got = load.shares_over(500, steady=["interactive"])
         assert got["standard"] == 0.0 and got["interactive"] == 1.0, got
     finally:
         load.stop()
-    assert not load.errors, load.errors[:5]
+    # a starved standard request may reach its queue deadline (30 s) on a slow machine: the only failure allowed
+    assert all(e.startswith("standard: 503") and "queue_timeout" in e for e in load.errors), load.errors[:5]
