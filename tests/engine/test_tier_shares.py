@@ -39,7 +39,7 @@ def fill(shares: TierShares, seats: int, tiers: list[int]) -> list[int]:
 
 
 def test_seats_follow_the_shares_and_lent_seats_go_to_the_most_important():
-    assert SHARES.own_seats(20) == [14, 5, 1] and SHARES.own_seats(64) == [45, 16, 4]
+    assert SHARES.own_seats(20) == (14, 5, 1) and SHARES.own_seats(64) == (45, 16, 4)
     assert fill(SHARES, 20, [0, 1, 2]) == [14, 5, 1]
     assert fill(SHARES, 20, [0, 2]) == [19, 0, 1]  # standard's idle share goes to interactive, batch keeps its own
     assert fill(SHARES, 20, [1, 2]) == [0, 19, 1]
@@ -138,9 +138,12 @@ def test_three_backlogged_tiers_get_their_shares_of_generated_tokens():
         b.backlog(t, 30)
     for _ in range(30):  # past the start
         b.step()
+    preemptions = b.sched.num_preemptions
     got = b.shares_of_tokens(300)
     assert got == pytest.approx([0.70, 0.25, 0.05], abs=0.03), got
     assert b.sched.seats_by_tier() == [14, 5, 1]
+    # in the steady state each free seat goes straight to the tier that is owed it: nothing is taken back
+    assert b.sched.num_preemptions == preemptions
 
 
 def test_batch_gets_its_share_and_no_more_beside_interactive_and_one_tier_alone_gets_everything():
