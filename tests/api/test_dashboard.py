@@ -253,7 +253,7 @@ def test_dashboard_in_a_real_browser_under_load(dash_server, tmp_path):
                     assert f'{family}{{tier="{tier}"}}' in keyed, (family, tier)
                 assert float(derived[f"tier_tokens_in_window.{tier}"][0]) == after.get(
                     f'inferd_tier_generated_tokens_total{{tier="{tier}"}}', 0.0)
-            assert after.get('inferd_tier_generated_tokens_total{tier="standard"}', 0.0) > 0
+            assert after.get('inferd_tier_generated_tokens_total{tier="interactive"}', 0.0) > 0
             states = [k for k in after if k.startswith("inferd_worker_state{")]  # one worker, serving
             assert len(states) == 1 and 'state="serving"' in states[0], states
             worker = re.search(r'worker="([^"]+)"', states[0])[1]
