@@ -18,6 +18,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # triton is first imported: @triton.jit picks interpreted or compiled at decoration time, triton's own tl.* helpers
 # included (setting it later and reloading our modules is not enough)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# the processes the tests start (servers, their workers and grammar compilers, CLI runs: hundreds in a run) write and
+# reuse the bytecode of our own modules instead of each compiling them again (~0.25 s of CPU a process here): this
+# environment sets PYTHONDONTWRITEBYTECODE=1 (the Makefile's note). Not when the run says INFERD_NO_BYTECODE
+# (tools/mutants.py: it reuses a tree across mutations, and a mutation as long as the text it replaces, written within
+# the same second, would leave a stale .pyc)
+if not os.environ.get("INFERD_NO_BYTECODE"):
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(scope="session")

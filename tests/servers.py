@@ -78,7 +78,12 @@ def start_ready(command: list[str], log_path: Path, prefix: str, env: dict[str, 
                 timeout: float = READY_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
     """spawn(), then its first stdout line, which must start with prefix: (the process, the rest of that line).
     The process is killed when it never says so."""
-    proc = spawn(command, log_path, env)
+    return await_ready(spawn(command, log_path, env), log_path, prefix, timeout)
+
+
+def await_ready(proc: subprocess.Popen, log_path: Path, prefix: str,
+                timeout: float = READY_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+    """start_ready's second half, for a process spawned earlier (its start overlapping other work)."""
     try:
         line = read_line(proc, timeout, log_path)
         assert line.startswith(prefix), line
@@ -112,6 +117,32 @@ def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key:
                  command: str = "serve") -> Server:
     """command: serve (with its own workers) or gateway (remote workers: give --worker in extra). env: added to
     the server's environment (e.g. INFERD_FAULT, which its workers inherit)."""
+    return begin_server(model, log_path, *extra, api_key=api_key, model_name=model_name, env=env,
+                        command=command).ready()
+
+
+@dataclass
+class Starting:
+    """A server whose process is starting (begin_server); ready() waits for its READY line."""
+    proc: subprocess.Popen
+    log_path: Path
+    model: str
+    api_key: str | None
+    args: list[str]
+    metrics_key: str | None
+
+    def ready(self) -> Server:
+        _, address = await_ready(self.proc, self.log_path, "READY http://")
+        return Server(self.proc, "http://" + address, self.model, self.api_key, self.log_path, self.args,
+                      self.metrics_key)
+
+
+def begin_server(model: str | Path | None, log_path: Path, *extra: str, api_key: str | None = None,
+                 model_name: str = "test-model", env: dict[str, str] | None = None,
+                 command: str = "serve") -> Starting:
+    """start_server in two halves: the process starts now, .ready() waits for it (a server start is seconds of
+    imports and loading: the test can do its own work meanwhile). The caller kills .proc (kill_group) whatever
+    happens."""
     args = ["--port", "0", "--served-model-name", model_name, *extra]
     if command == "serve":
         args = ["--dtype", "float32", *args]
@@ -121,8 +152,8 @@ def start_server(model: str | Path | None, log_path: Path, *extra: str, api_key:
         args += ["--api-key", api_key]
     # what metrics() sends: per-tenant series need the metrics key on a server with API keys
     metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args else None
-    proc, address = start_ready([sys.executable, "-m", "inferd", command, *args], log_path, "READY http://", env)
-    return Server(proc, "http://" + address, model_name, api_key, log_path, args, metrics_key)
+    proc = spawn([sys.executable, "-m", "inferd", command, *args], log_path, env)
+    return Starting(proc, log_path, model_name, api_key, args, metrics_key)
 
 
 def process_gone(pid: int) -> bool:

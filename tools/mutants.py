@@ -147,9 +147,10 @@ def run_pytest(tree: Path, tests: list[str], timeout: float, log: Path, cache_di
     """(pytest's exit status, or None at the timeout; its output). Runs in its own process group, killed whole at
     the timeout (the servers a test started with it)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # the copy first on the path, and nothing of the real tree; no .pyc: a mutation as long as the text it replaces,
-    # written within the same second, would otherwise leave a stale .pyc that still holds the original
-    env.update(PYTHONPATH=str(tree), INFERD_CACHE_DIR=cache_dir, PYTHONDONTWRITEBYTECODE="1")
+    # the copy first on the path, and nothing of the real tree; no .pyc, in the processes the tests start too
+    # (INFERD_NO_BYTECODE: tests/conftest.py): a mutation as long as the text it replaces, written within the same
+    # second, would otherwise leave a stale .pyc that still holds the original
+    env.update(PYTHONPATH=str(tree), INFERD_CACHE_DIR=cache_dir, PYTHONDONTWRITEBYTECODE="1", INFERD_NO_BYTECODE="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *PYTEST, *tests], cwd=tree, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -9,7 +9,7 @@ import openai
 import pytest
 from offline import assert_same_greedy, offline_greedy, token_ids
 
-from servers import kill_group, start_server
+from servers import begin_server, kill_group
 
 COPY_TEXT = ("Copy the list exactly.\nList: red apple, green pear, yellow banana, purple plum, orange mango, "
              "red apple, green pear, yellow banana, purple plum, orange mango, red apple, green pear,")
@@ -17,15 +17,31 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def spec_server(tmp_path_factory):
+def spec_server_and_reference(tmp_path_factory, request):
+    """The server, and the offline engine's greedy tokens and logits for COPY_TEXT (what both tests compare with),
+    computed while the server starts."""
     log = tmp_path_factory.mktemp("spec-server") / "serve.log"
-    server = start_server(None, log, "--kv-cache-bytes", "128M", "--speculative", "ngram", "--num-draft", "4",
-                          model_name="smollm2-spec")
-    yield server
-    kill_group(server.proc)
+    starting = begin_server(None, log, "--kv-cache-bytes", "128M", "--speculative", "ngram", "--num-draft", "4",
+                            model_name="smollm2-spec")
+    try:
+        engine = request.getfixturevalue("smollm2_engine")
+        reference = offline_greedy(engine, engine.tokenizer.encode(COPY_TEXT), MAX_TOKENS, ignore_eos=True)
+        yield starting.ready(), reference
+    finally:
+        kill_group(starting.proc)
 
 
-def test_stream_equals_plain_greedy(spec_server, smollm2_engine):
+@pytest.fixture(scope="module")
+def spec_server(spec_server_and_reference):
+    return spec_server_and_reference[0]
+
+
+@pytest.fixture(scope="module")
+def reference(spec_server_and_reference):
+    return spec_server_and_reference[1]
+
+
+def test_stream_equals_plain_greedy(spec_server, smollm2_engine, reference):
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     stream = client.completions.create(model=spec_server.model, prompt=COPY_TEXT, max_tokens=MAX_TOKENS,
                                        temperature=0, logprobs=1, stream=True,
@@ -42,7 +58,7 @@ def test_stream_equals_plain_greedy(spec_server, smollm2_engine):
                 logprobs += choice.logprobs.token_logprobs
                 widest = max(widest, len(choice.logprobs.tokens))
     prompt_ids = smollm2_engine.tokenizer.encode(COPY_TEXT)
-    ref, ref_logits = offline_greedy(smollm2_engine, prompt_ids, MAX_TOKENS, ignore_eos=True)
+    ref, ref_logits = reference
     matched = assert_same_greedy(ids, logprobs, ref, ref_logits, "speculative stream")
     if matched == MAX_TOKENS:
         assert text == smollm2_engine.tokenizer.decode(ref)
@@ -53,10 +69,9 @@ def test_stream_equals_plain_greedy(spec_server, smollm2_engine):
     assert m["inferd_spec_draft_tokens_total"] >= m["inferd_spec_accepted_tokens_total"]
 
 
-def test_stop_string_inside_drafts(spec_server, smollm2_engine):
+def test_stop_string_inside_drafts(spec_server, smollm2_engine, reference):
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    prompt_ids = smollm2_engine.tokenizer.encode(COPY_TEXT)
-    ref, ref_logits = offline_greedy(smollm2_engine, prompt_ids, MAX_TOKENS, ignore_eos=True)
+    ref, ref_logits = reference
     ref_text = smollm2_engine.tokenizer.decode(ref)
     stop = " pear,"
     assert stop in ref_text
