@@ -268,3 +268,25 @@ def test_preemption_across_tiers_leaks_nothing_and_the_preempted_stream_complete
         [alone] = micro.engine(**kw, record_logits=True).generate([r.prompt_token_ids], r.params)
         assert_same_output(r, alone, r.params, f"{r.request_id} (preempted {r.num_preemptions}x)")
     assert batch[3].num_preemptions == 1
+
+
+# ---- what comes from outside: the flag, and a worker's per-tier figures --------------------------------------------
+def test_a_bad_tier_shares_flag_is_a_usage_error_and_a_good_one_is_written_out():
+    import argparse
+
+    from inferd.cli.types import tier_shares_arg
+
+    assert tier_shares_arg(" batch=1 , interactive=3 ") == "interactive=75,standard=0,batch=25"
+    assert tier_shares_arg("strict") == "strict"
+    with pytest.raises(argparse.ArgumentTypeError, match="premium"):
+        tier_shares_arg("premium=10")
+
+
+def test_a_workers_per_tier_figures_of_the_wrong_shape_are_read_as_zeros():
+    from inferd.worker.protocol import WorkerStats
+
+    good = WorkerStats.from_wire({"running_by_tier": [3, 2, 1], "preemptions_by_tier": [0, 4, 7]})
+    assert good.running_by_tier == [3, 2, 1] and good.preemptions_by_tier == [0, 4, 7]
+    for bad in ([1, 2], [1, 2, 3, 4], [1, -2, 3], [1, "2", 3], [True, 0, 0], "123", None, [1.5, 0, 0]):
+        stats = WorkerStats.from_wire({"running_by_tier": bad, "preemptions_by_tier": bad})
+        assert stats.running_by_tier == [0, 0, 0] and stats.preemptions_by_tier == [0, 0, 0], bad
