@@ -127,11 +127,11 @@ def test_every_tier_gets_its_share_lends_it_and_takes_it_back(serve, keys):
         got = load.shares_over(WINDOW_TOKENS)
         assert within(got, {"interactive": 0.95, "standard": 0.0, "batch": 0.05}), got
 
-        # standard backlogged again: it gets its own seats back while the others stay backlogged
+        # standard backlogged again: it gets its own seats back while the others stay backlogged (as interactive's
+        # requests end, or by preempting them when none ends first: which one depends on the machine's timing; the
+        # preemption path itself is tests/engine/test_tier_shares.py's)
         load.set(standard=30)
         server.wait_metrics(lambda m: m.get('inferd_tier_seats{tier="standard"}', 0) >= 5, timeout=30)
-        m = server.metrics()
-        assert m['inferd_tier_preemptions_total{tier="interactive"}'] >= 1  # taken back from the borrower
         got = load.shares_over(WINDOW_TOKENS)
         assert within(got, {"interactive": 0.70, "standard": 0.25, "batch": 0.05}), got
 
