@@ -33,16 +33,12 @@ from dataclasses import dataclass, field
 from ..config import DEFAULT_LOWER_TIER_PREFILL_TOKENS, TIER_ACTIVE_WINDOW_S, TIERS
 from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
-from .tier_shares import TierShares, tier_counts
-
-_LAST_TIER = len(TIERS) - 1
+from .tier_shares import TierShares, tier_counts, tier_rank
 
 
 def tier_of(r: Request) -> int:
-    """The request's tier rank (its priority, clamped to the tiers there are; no min/max calls: every step asks
-    this of every running and waiting request)."""
-    p = r.params.priority
-    return p if 0 <= p <= _LAST_TIER else (0 if p < 0 else _LAST_TIER)
+    """The request's tier rank (its priority, clamped to the tiers there are)."""
+    return tier_rank(r.params.priority)
 
 
 @dataclass
@@ -285,7 +281,7 @@ class Scheduler:
         pending = [tier_of(r) for r in prefilling] + [t for t in range(len(TIERS)) if line[t]]
         urgent = min(pending, default=None)
         held_rows: list[Request] = []
-        if urgent is not None and any(held[t] > own for t, own in enumerate(shares.own_seats(seats)) if t > urgent):
+        if urgent is not None:
             own = shares.own_seats(seats)
             for t in range(urgent + 1, len(TIERS)):
                 if held[t] > own[t]:

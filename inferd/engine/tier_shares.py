@@ -147,9 +147,18 @@ def _own_seats(fractions: tuple[float, ...] | None, capacity: float) -> tuple[in
     return tuple(math.ceil(capacity * f - _EPS) for f in fractions)
 
 
+_LAST_TIER = len(TIERS) - 1
+
+
+def tier_rank(priority: int) -> int:
+    """A request's priority as a tier rank, clamped to the tiers there are (no min/max calls: the schedulers ask this
+    of every running and waiting request each step)."""
+    return priority if 0 <= priority <= _LAST_TIER else (0 if priority < 0 else _LAST_TIER)
+
+
 def tier_counts(ranks: Iterable[int]) -> list[int]:
-    """Seats per tier rank, from the ranks of the sequences holding them."""
+    """Seats per tier rank, from the ranks (or priorities) of the sequences holding them."""
     counts = [0] * len(TIERS)
     for rank in ranks:
-        counts[min(max(rank, 0), len(TIERS) - 1)] += 1
+        counts[tier_rank(rank)] += 1
     return counts

@@ -28,14 +28,14 @@ from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.protocol import EngineInfo, EngineSnapshot, ScheduleHook
 from ..engine.request import FinishReason, SamplingParams, validate_request
-from ..engine.tier_shares import TierShares, tier_counts
+from ..engine.tier_shares import TierShares, tier_counts, tier_rank
 from ..models.config import ModelConfig
 
 log = logging.getLogger("inferd.worker")
 
 
 def _tier(r: EchoRequest) -> int:
-    return min(max(r.params.priority, 0), len(TIERS) - 1)
+    return tier_rank(r.params.priority)
 
 
 @dataclass(eq=False)  # identity: list.remove() on abort must not compare token lists
