@@ -99,3 +99,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         allowed = window_allowed(rows, cols, window).unsqueeze(0)
         out[lo:hi] = attend(q[lo:hi].unsqueeze(0), keys, values, allowed, scale, sinks, softcap).squeeze(0)
     return out
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, seg_slots: list[int], seg_starts: list[int],
+             row_slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, ranks: list[int], parts: list[int]) -> None:
+    """y [T, out] += the LoRA deltas of x [T, in]'s rows, each through its own adapter (models/lora.py's layout):
+    rows perm[seg_starts[i]:seg_starts[i+1]] use slot seg_slots[i]; rows not in perm (the base model's) are left
+    as they are. Slot s of rank r = ranks[s] holds, for each part p of the output (parts: the fused projection's
+    pieces, e.g. q, k, v: sizes summing to out, part p starting at column off_p), A_p in a[s, p*r:(p+1)*r] ([r, in])
+    and scale * B_p^T in bt[s, r*off_p : r*(off_p + size_p)] (row-major [r, size_p]). row_slots [T] (-1: base) says
+    the same per row; it is the form a per-row (Triton) kernel reads. Per slot, not per request: a segmented matmul
+    (Punica's SGMV). The deltas are computed in y's dtype and added in one index_add."""
+    if perm.numel() == 0:
+        return
+    xs = x.index_select(0, perm)
+    delta = torch.empty(perm.numel(), y.shape[1], dtype=y.dtype, device=y.device)
+    n_parts = len(parts)
+    for i, s in enumerate(seg_slots):
+        lo, hi, r = seg_starts[i], seg_starts[i + 1], ranks[s]
+        xa = xs[lo:hi] @ a[s, :n_parts * r].t()  # the shrink: [rows, P r]
+        off = 0
+        for p, size in enumerate(parts):  # the expand, part by part: [rows, r] @ [r, size]
+            delta[lo:hi, off:off + size] = xa[:, p * r:(p + 1) * r] @ bt[s, r * off:r * (off + size)].view(r, size)
+            off += size
+    y.index_add_(0, perm, delta)

@@ -36,11 +36,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN layout; not a parameter (state_dict can't hold it)
         self.tile_rows: int | None = None  # batch-invariant mode: calls of exactly this many rows (batch_invariant.py)
+        self.lora = None  # its LoRA adapter slots (models/lora.py LoraTarget) where the engine serves adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_rows is not None and x.dim() == 2:
-            return tiled_rows(self._forward, x, self.tile_rows)
-        return self._forward(x)
+            y = tiled_rows(self._forward, x, self.tile_rows)
+        else:
+            y = self._forward(x)
+        if self.lora is not None:
+            self.lora.apply(y, x)  # each row's own adapter's delta (none for the base model's rows)
+        return y
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -68,8 +68,9 @@ class LlamaForCausalLM(nn.Module):
         # step over the 30 layers' ~300 calls (no hooks are used on this model)
         ops, rotary = self.ops, self.rotary
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, added to in place
+        lora = getattr(self, "lora_state", None)
         if (getattr(ops, "decode_layers", None) is not None and meta.decode_tables is not None and not meta.prefills
-                and meta.invariant is None):
+                and meta.invariant is None and (lora is None or lora.step is None)):
             # a pure decode step: the whole stack in one call (the same ops, in the same order: the same bits)
             stack = self._decode_stack(input_ids.shape[0])
             if stack is not None:

@@ -105,6 +105,7 @@ class Int8Linear(Linear):
         self.register_buffer("scales", scales.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(scales.dtype), requires_grad=False)
         self.packed = None
+        self.lora = None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
@@ -138,6 +139,8 @@ class Int8Linear(Linear):
                 y = y + self.bias
         else:
             y = self._convert_matmul(x2)
+        if self.lora is not None:  # LoRA adapters (models/lora.py), as Linear.forward adds them
+            self.lora.apply(y, x2)
         return y.reshape(*shape[:-1], self.out_features)
 
     def _convert_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,6 +225,7 @@ class Int4Linear(Linear):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.weight = nn.Parameter(dense.to(dtype), requires_grad=False)  # the dequantized weight (batched steps)
         self.packed = None
+        self.lora = None
         try:
             self.register_buffer("weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 q, INT4PACK_INNER_K_TILES))
