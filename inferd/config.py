@@ -68,7 +68,7 @@ MAX_STOP_STRINGS = 16  # entries of `stop`
 MAX_STOP_TOKEN_IDS = 64  # entries of `stop_token_ids` (each must also be in the vocabulary)
 MAX_STOP_STRING_CHARS = 1024  # the text held back while it could still become a stop string
 MAX_IDENTIFIER_CHARS = 256  # `model`, `user`, a message's `name` and other client-chosen identifiers
-MAX_CACHE_SALT_CHARS = 300  # a request's prefix-cache salt ("tenant:" or "group:" + a name)
+MAX_CACHE_SALT_CHARS = 360  # a request's prefix-cache salt ("tenant:" or "group:" + a name, "|lora:" + a digest)
 MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or tool set as its constraint's text
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
@@ -144,6 +144,13 @@ DEFAULT_TIER_SHARES = "interactive=70,standard=25,batch=5"
 # an interactive request that arrives mid-step waits for that step, so a step holding batch prefill stays short
 DEFAULT_LOWER_TIER_PREFILL_TOKENS = 32
 TIER_ACTIVE_WINDOW_S = 10.0
+# LoRA adapters (`--enable-lora`: inferd/engine/lora.py). A worker runs at most DEFAULT_MAX_LORAS adapters in one
+# step (each a slot of stacked weights in the model: memory max_loras x max_lora_rank x the projections' sizes);
+# more stay in host memory, at most DEFAULT_MAX_CPU_LORAS, and are read from disk again past that
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's default; ranks 8-64 are what fine-tunes use
+DEFAULT_MAX_CPU_LORAS = 32
+DEFAULT_MAX_LORA_BYTES = 512 << 20  # an adapter's weights file: rank 64 on every projection of an 8B model is ~340 MB
 DEFAULT_RATE_WINDOW_S = 60.0  # token buckets refill their whole capacity over this many seconds
 DEFAULT_QUEUE_TIMEOUT_S = {"interactive": 10.0, "standard": 30.0, "batch": 300.0}  # deadline to start, per tier
 MAX_QUEUE_TIMEOUT_S = 3600.0  # the most a request header may ask to wait
@@ -290,6 +297,14 @@ class EngineConfig:
     grammar_mask_budget_s: float = GRAMMAR_MASK_BUDGET_S
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     grammar_compile_processes: int = GRAMMAR_COMPILE_PROCESSES
+    # LoRA adapters per request (inferd/engine/lora.py): off by default (the slots cost memory and every step a
+    # check); adapters are named by the gateway with each request and read from disk on first use
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS
+    max_lora_bytes: int = DEFAULT_MAX_LORA_BYTES
+    lora_root: str | None = None  # adapters are read only from under this folder when set
 
 
 def cpu_has_native_bf16() -> bool:

@@ -318,9 +318,9 @@ def _record(label: str, bound: Bound, worst_rel: float, compared: int, n: int) -
                                 "bound": bound.name, "worst_rel": worst_rel, "compared": compared, "n": n}) + "\n")
 
 
-def run_staggered(engine, prompts: list[list[int]], params, every: int = 2):
+def run_staggered(engine, prompts: list[list[int]], params, every: int = 2, on_step=None):
     """Submit prompt k at step k*every while the engine keeps stepping; returns (requests in prompt order,
-    per-step trace of (num_decodes, num_prefill_chunks, num_finished))."""
+    per-step trace of (num_decodes, num_prefill_chunks, num_finished)). on_step(): called after each step."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     pending = list(range(len(prompts)))
     reqs = {}
@@ -332,6 +332,8 @@ def run_staggered(engine, prompts: list[list[int]], params, every: int = 2):
             rid = engine.add_request(prompts[i], params[i])
             reqs[i] = engine.requests[rid]
         outs = engine.step()
+        if on_step is not None:
+            on_step()
         sched = engine.last_schedule
         n_pref = len(sched.scheduled) - sched.num_decodes if sched else 0
         trace.append((sched.num_decodes if sched else 0, n_pref, sum(o.finished for o in outs)))

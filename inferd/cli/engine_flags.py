@@ -17,6 +17,10 @@ from typing import Any
 
 from ..config import (
     DEFAULT_LOWER_TIER_PREFILL_TOKENS,
+    DEFAULT_MAX_CPU_LORAS,
+    DEFAULT_MAX_LORA_BYTES,
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
     DEFAULT_NUM_DRAFT,
@@ -59,6 +63,7 @@ class Flag:
 
 
 SPECULATIVE = "speculative decoding"
+LORA = "LoRA adapters"
 GRAMMAR = "structured outputs' time budgets (a request past one ends with grammar_too_slow)"
 
 ENGINE_FLAGS = (
@@ -121,6 +126,18 @@ ENGINE_FLAGS = (
          group=GRAMMAR),
     Flag("grammar_compile_processes", "--grammar-compile-processes", "grammar compiles run at once, each in a process "
          f"of its own (default {GRAMMAR_COMPILE_PROCESSES})", positive_int, metavar="N", group=GRAMMAR),
+    Flag("enable_lora", "--enable-lora", "serve LoRA adapters (PEFT format) on this base model, a request naming one "
+         "as its model; one step mixes adapters and the base", switch=True, group=LORA),
+    Flag("max_loras", "--max-loras", f"adapters one step can run (slots in the model; default {DEFAULT_MAX_LORAS})",
+         positive_int, metavar="N", group=LORA),
+    Flag("max_lora_rank", "--max-lora-rank", f"the largest adapter rank served (default {DEFAULT_MAX_LORA_RANK})",
+         positive_int, metavar="R", group=LORA),
+    Flag("max_cpu_loras", "--max-cpu-loras", "adapters kept in host memory, least recently used dropped first "
+         f"(default {DEFAULT_MAX_CPU_LORAS})", positive_int, metavar="N", group=LORA),
+    Flag("max_lora_bytes", "--max-lora-bytes", "the largest adapter weights file accepted (default "
+         f"{DEFAULT_MAX_LORA_BYTES >> 20}M)", parse_bytes, group=LORA),
+    Flag("lora_root", "--lora-root", "adapters are read only from under this folder (default: anywhere the "
+         "process can read)", metavar="DIR", group=LORA),
 )
 
 # EngineConfig fields with no flag, and why

@@ -150,7 +150,8 @@ class Engine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # CUDA graphs for decode (cuda_graph.py): the pool's last block is kept back for the padded rows to write to
         # (in a sliding group that block is its null block, kept back anyway)
-        graphs = decode_graph_spec(config, num_blocks, self.max_model_len)
+        # (not with LoRA adapters: their rows' slots change every step, and the graphs would need them as inputs)
+        graphs = None if config.enable_lora else decode_graph_spec(config, num_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager([g.num_blocks - (1 if g.window else graphs is not None) for g in self.kv_groups],
                                        config.block_size, config.enable_prefix_caching,
                                        [g.window for g in self.kv_groups])
@@ -162,6 +163,7 @@ class Engine:
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, dtype, config.device,
                                   config.tensor_parallel, parallel, kv_dtype=self.kv_dtype, decode_graphs=graphs,
                                   batch_invariant=config.batch_invariant, groups=self.kv_groups)
+        self.lora = self._lora_manager(model, model_config, config, dtype)
         self.sampler = Sampler()
         weight_bytes = model.weight_bytes() if hasattr(model, "weight_bytes") else 0
         self.cost = model_cost(model_config, weight_bytes, self.kv_dtype, torch.finfo(dtype).bits // 8,
@@ -184,6 +186,22 @@ class Engine:
         self.last_schedule: SchedulerOutput | None = None  # the most recent step's (tests, benchmarks)
         self._in_step: SchedulerOutput | None = None  # the schedule of a step that has not returned (it raised)
         self._on_schedule: ScheduleHook | None = None
+
+    def _lora_manager(self, model, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype):
+        if not config.enable_lora:
+            return None
+        if config.tensor_parallel != 1 or config.batch_invariant:
+            raise ValueError("--enable-lora runs on one process and without --batch-invariant (an adapter's rows are "
+                             "multiplied by slot group, not one row at a time)")
+        if not hasattr(model, "layers"):
+            raise ValueError("--enable-lora needs a decoder model")
+        from .lora import LoraManager
+
+        add = getattr(getattr(model, "ops", None), "lora_add", None) or kernels.reference.lora_add
+        manager = LoraManager(model, model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                              config.max_lora_bytes, config.lora_root, dtype, config.device, add)
+        self.scheduler.admission_gate = manager.acquire
+        return manager
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress=None) -> Engine:
@@ -229,6 +247,8 @@ class Engine:
         """Raises InvalidRequestError for a request that must never be scheduled."""
         total = validate_request(prompt_token_ids, params, num_prompt_tokens, self.model_config.vocab_size,
                                  self.max_model_len)
+        if params.lora is not None and self.lora is None:
+            raise InvalidRequestError("this worker serves no LoRA adapters (start it with --enable-lora)")
         if params.constrained and self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer, and this engine has none")
         short = self.kv_cache.short_of(total, self.config.max_num_batched_tokens)
@@ -385,7 +405,13 @@ class Engine:
         at positions num_tokens .. num_tokens + k). The constrained rows' masks are filled on the grammar threads
         meanwhile (None when no row has a grammar)."""
         masks = self.grammars.start_masks(samplers)
-        return masks, self.runner.execute(sched)
+        if self.lora is None:
+            return masks, self.runner.execute(sched)
+        self.lora.begin_step([s.request for s in sched.scheduled], [s.num_tokens for s in sched.scheduled])
+        try:
+            return masks, self.runner.execute(sched)
+        finally:
+            self.lora.end_step()
 
     def sample(self, samplers: list[SamplingRequest], logits: torch.Tensor, masks: Masks | None) -> SampleOutput:
         """logit_bias, the grammar masks, penalties and min_tokens, then the draw (a function of the request's seed

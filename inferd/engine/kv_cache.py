@@ -39,6 +39,12 @@ def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ..
     return h.digest()
 
 
+def block_salt(cache_salt: str, lora: list | None = None) -> str:
+    """The salt a request's blocks are hashed under: its cache salt, and its LoRA adapter's digest (an adapter's KV
+    is not the base model's, nor another adapter's). The router hashes prompts with the same salt."""
+    return cache_salt if lora is None else f"{cache_salt}|lora:{lora[2]}"
+
+
 def hash_prompt_blocks(token_ids: list[int], block_size: int, salt: str = "") -> list[bytes]:
     """Hash chain of every full block of token_ids."""
     hashes: list[bytes] = []
@@ -179,7 +185,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs],
-                                            request.params.cache_salt))
+                                            block_salt(request.params.cache_salt, request.params.lora)))
 
     def match_prefix(self, request: Request) -> list[int]:
         """Group 0's table of the longest prefix of the request's tokens cached in every group (the hit point

@@ -35,6 +35,9 @@ class SamplingParams:
     # OpenAI's logit_bias as [token id, bias] pairs (JSON has no integer keys): added to the logits before the
     # grammar mask, penalties and sampling
     logit_bias: list = field(default_factory=list)
+    # the LoRA adapter to run with, as the gateway checked it: [name, path, digest] (inferd/engine/lora.py); None:
+    # the base model
+    lora: list | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -69,6 +72,9 @@ class SamplingParams:
                     and not isinstance(entry[0], bool) and isinstance(entry[1], (int, float))
                     and not isinstance(entry[1], bool) and -100 <= entry[1] <= 100):
                 raise InvalidRequestError(f"logit_bias entries must be [token id, bias in [-100, 100]], got {entry!r}")
+        if self.lora is not None and not (isinstance(self.lora, (list, tuple)) and len(self.lora) == 3 and all(
+                isinstance(v, str) and 0 < len(v) <= 4096 for v in self.lora)):
+            raise InvalidRequestError("lora must be [name, path, digest]")
         if self.structured is not None:
             if not (isinstance(self.structured, (list, tuple)) and len(self.structured) == 2):
                 raise InvalidRequestError("structured must be [kind, text]")
@@ -132,6 +138,7 @@ class Request:
     # going through its new matcher (the Future of a grammar_budget.Job)
     grammar_future: object | None = None
     grammar_seconds: float = 0.0  # its grammar's work so far (fills, accepts), against its budget (grammar_budget.py)
+    lora_slot: int = -1  # the model's slot of its LoRA adapter while it runs (engine/lora.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -92,6 +92,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_tier = [0] * len(TIERS)
         self._last_active = [-math.inf] * len(TIERS)  # per tier: when it last had a request here (clock)
+        # admission_gate(request, running) -> may it run now (the LoRA manager's slot for its adapter: engine/lora.py);
+        # a refused request waits in its place and the line behind it goes on
+        self.admission_gate: Callable[[Request, list[Request]], bool] | None = None
 
     def seats_by_tier(self) -> list[int]:
         """Running sequences per tier."""
@@ -190,10 +193,14 @@ class Scheduler:
         # strictly more important than every request preempted so far goes on: after a block shortage the cache
         # is too tight for new work of the victims' rank, and an equal one would only trade places with its peer
         # step after step (the victim itself waits behind the head that displaced it, so it is not readmitted now)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
             if preempted and req.params.priority >= min(v.params.priority for v in preempted):
                 break
+            if self.admission_gate is not None and not self.admission_gate(req, self.running):
+                i += 1  # its LoRA adapter has no slot now: it waits, the requests behind it go on
+                continue
             hits = self.kv.match_prefix(req)
             n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
             # no slot: admit() is not even tried, it would take the blocks
@@ -204,7 +211,7 @@ class Scheduler:
                 for victim in victims:
                     preempt(victim)
                 continue  # the budget may have grown by the victims' tokens: size the chunk again
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             req.admitted_seq = self._admissions
             self._admissions += 1
@@ -334,6 +341,9 @@ class Scheduler:
             req = line[t][next_in_line[t]]
             if prefill_left[t] <= 0 or t in victim_tiers or (shortage and not shares.may_reclaim(held, t, seats)):
                 blocked.add(t)
+                continue
+            if self.admission_gate is not None and not self.admission_gate(req, self.running):
+                next_in_line[t] += 1  # its LoRA adapter has no slot now: it waits, the rest of its tier goes on
                 continue
             hits = self.kv.match_prefix(req)
             n = min(req.num_tokens - len(hits) * self.kv.block_size, budget, prefill_left[t])
