@@ -75,7 +75,7 @@ async def execute_line(state, identity: str, endpoint: str, body: str) -> LineOu
         req = await asyncio.to_thread(_parse_body, schema, body)
         if req.stream:
             raise invalid("stream is not allowed in a batch", param="stream")
-        prep = await state.require_serving().prepare(req, time.perf_counter(), tenant.allow_grammar)
+        prep = await state.require_serving().prepare(req, time.perf_counter(), tenant.allow_grammar, tenant)
         return LineOutcome(200, await state.generation.collect(prep, tenant, tier_rank))
     except Exception as e:  # an APIError as it is; the gateway's refusals (overloaded, ...) and worker failures
         return outcome_of(worker_error(e))

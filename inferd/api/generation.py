@@ -24,6 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from ..engine.kv_cache import block_salt
 from ..engine.request import SamplingParams
 from ..gateway.admission import Gateway, Ticket
 from ..gateway.failover import replaying
@@ -75,8 +76,12 @@ class GenerationService:
         """Admission (quota, queue, overload): a Generation that holds the ticket from here on (nothing awaits
         between the two), or the refusal as an APIError (429, 503, ...)."""
         serving = self.state.require_serving()
+        lora = prep.params[0].lora if prep.params else None
         ticket = await _admit(self.state.gateway, tenant, tier_rank, prep.prompt_tokens, prep.reserved_tokens,
-                              queue_timeout, prompt=prep.prompts[0], num_seqs=len(prep.params))
+                              queue_timeout, prompt=prep.prompts[0], num_seqs=len(prep.params),
+                              salt=block_salt(tenant.cache_salt, lora), adapter=prep.adapter)
+        if prep.adapter is not None:
+            self.state.metrics.lora_requests.labels(adapter=prep.adapter).inc()
         salt = tenant.cache_salt
         for params in prep.params:  # the worker's prefix cache shares blocks only under the same salt
             params.cache_salt = salt
@@ -150,11 +155,14 @@ class GenerationService:
 
 
 async def _admit(gateway: Gateway, tenant: Tenant, tier_rank: int, prompt_tokens: int, reserved_tokens: int,
-                 queue_timeout: float | None, prompt: list[int] | None, num_seqs: int) -> Ticket:
-    """gateway.admit with its refusals as the APIErrors a client sees."""
+                 queue_timeout: float | None, prompt: list[int] | None, num_seqs: int, salt: str | None = None,
+                 adapter: str | None = None) -> Ticket:
+    """gateway.admit with its refusals as the APIErrors a client sees. salt: the prompt's block salt (the tenant's,
+    and its LoRA adapter's); adapter: its name, for the router."""
     try:
         return await gateway.admit(tenant, tier_rank, prompt_tokens, reserved_tokens, queue_timeout, prompt=prompt,
-                                   num_seqs=num_seqs, cache_salt=tenant.cache_salt)
+                                   num_seqs=num_seqs, cache_salt=tenant.cache_salt if salt is None else salt,
+                                   adapter=adapter)
     except Exception as e:  # RateLimited, Overloaded, QueueShareExceeded, NoWorkerAvailable, the limiter down
         raise worker_error(e) from None
 

@@ -365,6 +365,8 @@ class ModelCard(BaseModel):
     owned_by: str
     max_model_len: int | None = None
     versions: dict[str, int] | None = None  # model version -> workers serving it (two during a rollout)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    root: str | None = None  # a LoRA adapter's path
 
 
 class ModelList(BaseModel):

@@ -106,6 +106,7 @@ class ServeOptions:
     autoscale_local: bool = False  # and start/stop local workers to match
     autoscale_window: float = DEFAULT_AUTOSCALE_WINDOW_S
     rollout: object | None = None  # RolloutTargets for rollouts
+    lora: object | None = None  # LoraOptions (api/lora_catalog.py) where --enable-lora; None: no adapters
 
     @property
     def remote(self) -> bool:
@@ -518,6 +519,25 @@ async def _load_serving(state, opts: ServeOptions) -> None:
                                             state.metrics, tool_call_parser=opts.tool_call_parser,
                                             allow_grammar=opts.allow_grammar, reasoning_parser=opts.reasoning_parser)
     state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
+    if opts.lora is not None:
+        await _load_adapters(state, opts)
+
+
+async def _load_adapters(state, opts: ServeOptions) -> None:
+    """The LoRA catalog, with the adapters of --lora-modules (a bad one stops the start, naming why)."""
+    from ..models.loader import load_model_config
+    from ..models.lora_format import AdapterError
+    from .lora_catalog import LoraCatalog
+
+    config = await asyncio.to_thread(load_model_config, opts.model_path)
+    catalog = LoraCatalog(config, opts.lora, {opts.served_model_name, *(s.name for s in opts.embedding_models)})
+    for name, path in opts.lora.modules:
+        try:
+            await catalog.load(name, path)
+        except AdapterError as e:
+            raise SystemExit(f"error: --lora-modules {name}={path}: {e} ({e.code})") from None
+    state.lora = state.serving.lora = catalog
+    state.metrics.lora_loaded.set(len(catalog.adapters()))
 
 
 def default_served_name(model_path: str) -> str:

@@ -57,6 +57,7 @@ class Prepared:
     reasoning: str | None = None  # the reasoning parser splitting its output (api/reasoning.py), if any
     keep_special: frozenset[int] = frozenset()  # special tokens its text keeps (markers its parsers read)
     harmony: bool = False  # its output is read as gpt-oss's harmony channels (api/harmony.py)
+    adapter: str | None = None  # the LoRA adapter it runs with (its `model`), None: the base model
 
     @property
     def prompt_tokens(self) -> int:
@@ -117,23 +118,47 @@ class OpenAIServing:
         return True
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest, received_at: float,
-                      allow_grammar: bool = True) -> Prepared:
+                      allow_grammar: bool = True, tenant=None) -> Prepared:
         """prepare_completion or prepare_chat; a long prompt is first bounded by its size, then tokenized off the
         event loop (an 8 MiB prompt must not stall every stream), in a small pool of threads. allow_grammar: False
         when the request's tenant may not use the `grammar` kind of structured outputs."""
         chat = isinstance(req, ChatCompletionRequest)
+        adapter = self.adapter_for(req.model, tenant)  # a 404 for another tenant's adapter, as for an unknown model
         self.check_grammar_allowed(req, allow_grammar)  # before any tokenizing or parsing
         prepare = self.prepare_chat if chat else self.prepare_completion
         chars = _prompt_chars(req)
         if chars <= TOKENIZE_INLINE_MAX_CHARS:
-            return prepare(req, received_at)
+            return self._with_adapter(prepare(req, received_at), adapter)
         hello = self.router.hello
         if hello is not None and chars > hello.max_model_len * self.max_token_chars:
             what = "messages" if chat else "prompt"
             raise invalid(f"This model's maximum context length is {hello.max_model_len} tokens; the {what} has "
                           f"{chars} characters, more than that many tokens can hold.", param=what,
                           code="context_length_exceeded")
-        return await off_the_loop(prepare, req, received_at)
+        return self._with_adapter(await off_the_loop(prepare, req, received_at), adapter)
+
+    # ---- LoRA adapters (api/lora_catalog.py) -----------------------------------------------------------------------
+    lora = None  # the server's LoraCatalog where --enable-lora
+
+    def adapter_for(self, requested: str | None, tenant):
+        """The served adapter a request's `model` names (None: the base model, or a name check_model judges). An
+        adapter its tenant may not use does not exist for it: the same 404 as an unknown model."""
+        if self.lora is None or requested is None:
+            return None
+        adapter = self.lora.get(requested)
+        if adapter is None:
+            return None
+        if tenant is not None and not tenant.may_use_adapter(requested):
+            raise self._unknown_model(requested)
+        return adapter
+
+    @staticmethod
+    def _with_adapter(prep: Prepared, adapter) -> Prepared:
+        if adapter is not None:
+            prep.model = prep.adapter = adapter.name
+            for params in prep.params:
+                params.lora = adapter.params_value
+        return prep
 
     # ---- preparation ----------------------------------------------------------------------------------------
     embedding_models: frozenset[str] = frozenset()  # the embedding models served beside (a 400 here, not a 404)
@@ -159,9 +184,12 @@ class OpenAIServing:
         if requested is not None and requested in self.embedding_models:
             raise invalid(f"`{requested}` is an embedding model: use /v1/embeddings (this endpoint serves "
                           f"`{self.model_name}`)", param="model", code="wrong_model_kind")
-        if requested is not None and requested != self.model_name:
-            raise APIError(404, f"The model `{requested}` does not exist (this server serves `{self.model_name}`)",
-                           INVALID_REQUEST, param="model", code="model_not_found")
+        if requested is not None and requested != self.model_name and (self.lora is None or requested not in self.lora):
+            raise self._unknown_model(requested)
+
+    def _unknown_model(self, requested: str) -> APIError:
+        return APIError(404, f"The model `{requested}` does not exist (this server serves `{self.model_name}`)",
+                        INVALID_REQUEST, param="model", code="model_not_found")
 
     def prepare_completion(self, req: CompletionRequest, received_at: float) -> Prepared:
         self._check_common(req)

@@ -40,6 +40,7 @@ class ServerState:
     batches: object | None = None  # the Batch API's BatchStore (api/batches.py); None: /v1/files and /v1/batches 404
     batch_runner: object | None = None  # its BatchRunner
     generation: GenerationService | None = None  # the one path from an admitted request to a finished ticket
+    lora: object | None = None  # the LoraCatalog of the served adapters (api/lora_catalog.py); None: --enable-lora off
 
     def __post_init__(self) -> None:
         if self.gateway is None:

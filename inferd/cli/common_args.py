@@ -69,12 +69,29 @@ def add_peak_args(p: argparse.ArgumentParser) -> None:
                    help="the device's FLOP/s in the engine's dtype for MFU (e.g. 989e12, 400G); default: calibrated")
 
 
+def add_gateway_lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA flags `inferd gateway` checks adapters by (serve has them among its engine flags, which its workers
+    get too); give the remote workers the same."""
+    from ..config import DEFAULT_MAX_LORA_BYTES, DEFAULT_MAX_LORA_RANK
+
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (the workers need --enable-lora)")
+    g.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK, metavar="R",
+                   help=f"the largest adapter rank accepted (default {DEFAULT_MAX_LORA_RANK})")
+    g.add_argument("--max-lora-bytes", type=parse_bytes, default=DEFAULT_MAX_LORA_BYTES,
+                   help=f"the largest adapter weights file accepted (default {DEFAULT_MAX_LORA_BYTES >> 20}M)")
+    g.add_argument("--lora-root", default=None, metavar="DIR", help="adapters only from under this folder")
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The HTTP server's options, shared by serve and gateway."""
     add_worker_secret_args(p)
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = pick a free port (printed in the READY line)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the file's name)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT folders) served from the start, each a model named "
+                        "NAME whose parent is the base model (more at run time: POST /v1/load_lora_adapter, admin key)")
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where the Batch API keeps its SQLite database and files (default: $INFERD_CACHE_DIR/state, "
                         "else ~/.cache/inferd/state; '' turns the Batch API off)")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..config import DEFAULT_TIER_SHARES, DEFAULT_WORKER_ALLOW
-from .common_args import add_embedding_model_arg, add_server_args, worker_allow
+from .common_args import add_embedding_model_arg, add_gateway_lora_args, add_server_args, worker_allow
 from .server import embedding_models, run_http_server
 from .types import tier_shares_arg
 
@@ -22,6 +22,7 @@ def register(sub) -> None:
     gw.add_argument("--model", default=None, help="the workers' model (HF folder or .gguf): its tokenizer is "
                     "loaded here (default: SmolLM2-135M-Instruct)")
     add_embedding_model_arg(gw, remote=True)
+    add_gateway_lora_args(gw)
     gw.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
                     help="an embedding worker of the (one) --embedding-model to connect to (repeat for several)")
     gw.add_argument("--tier-shares", type=tier_shares_arg, default=DEFAULT_TIER_SHARES, metavar="TIER=SHARE,...|strict",

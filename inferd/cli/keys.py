@@ -25,6 +25,9 @@ def register(sub) -> None:
     kc.add_argument("--cache-group", default=None, metavar="NAME",
                     help="share cached prompt prefixes with the tenants of this group (default: with nobody: a "
                     "tenant must not learn from cache hits or latency what another one sent)")
+    kc.add_argument("--adapters", default=None, metavar="A,B",
+                    help="the LoRA adapters the tenant may use, by name (\"*\": all; default for a new tenant: none, "
+                         "only the base model)")
     kc.add_argument("--allow-grammar", choices=("yes", "no"), default=None,
                     help="whether the tenant may use the free-form `grammar` kind of structured outputs (EBNF, whose "
                     "matching cost the client controls; no: a 403 grammar_not_allowed). Default: yes for a new tenant")
@@ -43,7 +46,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
         try:
             key, tenant = create_key(args.keys, args.tenant, args.tier, args.rpm, args.tpm, args.max_concurrency,
                                      args.weight, args.cache_group,
-                                     None if args.allow_grammar is None else args.allow_grammar == "yes")
+                                     None if args.allow_grammar is None else args.allow_grammar == "yes",
+                                     None if args.adapters is None else [a for a in args.adapters.split(",") if a])
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

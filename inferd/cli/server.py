@@ -33,6 +33,7 @@ def run_http_server(args: argparse.Namespace, model_path: str, **backend) -> int
     try:
         autoscale = autoscaler_config(args)
         worker_secret = read_worker_secret(args)
+        lora = lora_options(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -63,8 +64,22 @@ def run_http_server(args: argparse.Namespace, model_path: str, **backend) -> int
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
                         batch_concurrency=args.batch_concurrency,
                         batch_storage_per_tenant=args.batch_storage_per_tenant or None,
-                        batch_retention=args.batch_retention or None, **backend)
+                        batch_retention=args.batch_retention or None, lora=lora, **backend)
     return run_server(opts)
+
+
+def lora_options(args: argparse.Namespace):
+    """The LoRA adapters' settings of the API process (--enable-lora and its limits, --lora-modules); None: off."""
+    from ..models.lora_format import parse_modules
+
+    modules = parse_modules(getattr(args, "lora_modules", None) or [])
+    if not getattr(args, "enable_lora", False):
+        if modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    from ..api.lora_catalog import LoraOptions
+
+    return LoraOptions(tuple(modules), args.max_lora_rank, args.max_lora_bytes, args.lora_root)
 
 
 def embedding_models(args: argparse.Namespace, model_path: str, local_args: list[str] | None) -> list:

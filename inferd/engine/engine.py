@@ -362,7 +362,14 @@ class Engine:
                               preemptions_by_tier=tuple(scheduler.preemptions_by_tier),
                               busy=self.has_unfinished_requests(), last_prefill_tokens=prefill,
                               last_decode_tokens=decode, last_bytes=nbytes, last_flops=flops,
-                              last_draft_tokens=stats.last_spec[0], last_accepted_tokens=stats.last_spec[1])
+                              last_draft_tokens=stats.last_spec[0], last_accepted_tokens=stats.last_spec[1],
+                              **self._lora_snapshot())
+
+    def _lora_snapshot(self) -> dict:
+        if self.lora is None:
+            return {}
+        return dict(lora_adapters=tuple(self.lora.held()), lora_slots_used=len(self.lora.loaded()),
+                    lora_loads=self.lora.loads, lora_evictions=self.lora.evictions)
 
     # ---- the step: schedule -> execute -> sample -> update_from_output ----------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -100,15 +100,16 @@ class LoraManager:
     def _read(self, ref: AdapterRef) -> HostAdapter:
         from safetensors.torch import load_file
 
-        from ..models.lora_format import _KEY, WEIGHTS_FILE
+        from ..models.lora_format import WEIGHTS_FILE, parse_key
 
         spec = read_adapter(ref.path, self.model_config, self.max_rank, self.max_bytes, self.root)
         tensors = load_file(f"{spec.path}/{WEIGHTS_FILE}")
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
-            m = _KEY.fullmatch(key)
-            assert m is not None  # read_adapter checked every name
-            pairs.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t.to(self.dtype)
+            parsed = parse_key(key)
+            assert parsed is not None  # read_adapter checked every name
+            layer, module, which = parsed
+            pairs.setdefault((layer, module), {})[which] = t.to(self.dtype)
         parts = model_lora.lora_parts(self.model)
         weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), ab in pairs.items():

@@ -52,6 +52,12 @@ class EngineSnapshot:
     last_flops: int = 0
     last_draft_tokens: int = 0
     last_accepted_tokens: int = 0
+    # LoRA adapters (inferd/engine/lora.py): the names held in host memory (a request for them needs no disk read),
+    # how many sit in a slot, and the slot loads and evictions so far
+    lora_adapters: tuple[str, ...] = ()
+    lora_slots_used: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
 
 ScheduleHook = Callable[[list[int | None]], None]  # the sampling seeds of the requests a step runs

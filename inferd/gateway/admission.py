@@ -197,6 +197,7 @@ class Ticket:
         self._finished = False
         self._drained_prompt = False
         self.prompt_hashes: list[bytes] = []  # the first prompt's block hashes (prefix affinity)
+        self.adapter: str | None = None  # its LoRA adapter's name: workers that hold it are preferred
         self.version: str | None = None  # the model version it runs on: fixed at its first dispatch
         self.num_replays = 0  # times it moved to another worker (gateway/failover.py)
 
@@ -304,7 +305,7 @@ class Gateway:
     # ---- admission ------------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, tier_rank: int, prompt_tokens: int, reserved_tokens: int,
                     queue_timeout: float | None = None, prompt: list[int] | None = None,
-                    num_seqs: int = 1, cache_salt: str = "") -> Ticket:
+                    num_seqs: int = 1, cache_salt: str = "", adapter: str | None = None) -> Ticket:
         """Reserves quota and binds or queues the request. Raises RateLimited (429), QueueShareExceeded (429: the
         tenant already fills its share of the queue), Overloaded (503) or NoWorkerAvailable (503: no worker at all).
         num_seqs: the sequences the request runs (prompts x n), the room it takes on a worker."""
@@ -320,6 +321,7 @@ class Gateway:
             raise RateLimited(tenant, decision, reserved_tokens, self.limiter.window)
         ticket = Ticket(self, tenant, tier_rank, lease_id, reserved_tokens, decision, timeout, max(1, num_seqs))
         self._open_ticket(ticket)
+        ticket.adapter = adapter
         if prompt is not None:
             ticket.prompt_hashes = self.router.prompt_hashes(prompt, cache_salt)
         expected = prompt_tokens + self._expected_output_tokens(reserved_tokens - prompt_tokens)
@@ -532,7 +534,7 @@ class Gateway:
         candidates = self.candidates(ticket.tier_rank, version, ticket.num_seqs)
         if not candidates:
             return None
-        return self.router.rank(candidates, self.load, ticket.prompt_hashes)
+        return self.router.rank(candidates, self.load, ticket.prompt_hashes, ticket.adapter)
 
     def choose_version(self, tier_rank: int) -> str | None:
         """During a rollout: the version whose share of new requests is furthest behind its target, among those

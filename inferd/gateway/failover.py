@@ -152,7 +152,7 @@ class Failover:
             version = ticket.version or g.choose_version(ticket.tier_rank)
             candidates = [w for w in g.candidates(ticket.tier_rank, version, ticket.num_seqs) if w is not lost]
             if candidates:
-                worker = g.router.rank(candidates, g.load, ticket.prompt_hashes)
+                worker = g.router.rank(candidates, g.load, ticket.prompt_hashes, ticket.adapter)
                 g.take_room(worker, ticket.tier_rank, ticket.num_seqs)
                 ticket.worker = worker
                 ticket.version = worker.version

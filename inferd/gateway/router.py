@@ -151,12 +151,17 @@ class Router:
         return hash_prompt_blocks(prompt, hello.kv_block_size, salt) if hello is not None else []
 
     def rank(self, candidates: list[WorkerClient], load: Callable[[WorkerClient], float],
-             hashes: list[bytes]) -> WorkerClient:
-        """The best of candidates: the longest cached prefix (at least PREFIX_AFFINITY_MIN_BLOCKS blocks), then
-        the least load; ties go to the smallest worker id (deterministic: never the order in which workers happened
-        to attach)."""
+             hashes: list[bytes], adapter: str | None = None) -> WorkerClient:
+        """The best of candidates: for a LoRA adapter's request, those that hold the adapter if any does (no disk
+        read, no host copy: its heartbeat lists it); then the longest cached prefix (at least
+        PREFIX_AFFINITY_MIN_BLOCKS blocks), then the least load; ties go to the smallest worker id (deterministic:
+        never the order in which workers happened to attach)."""
         def key(w: WorkerClient):
             return load(w), _worker_order(w)
+
+        if adapter is not None:
+            holders = [w for w in candidates if w.latest_stats is not None and adapter in w.latest_stats.lora_adapters]
+            candidates = holders or candidates
 
         if hashes:
             self.affinity_queries += 1

@@ -47,6 +47,9 @@ class Tenant:
     # the free-form `grammar` kind of structured outputs (EBNF, whose matching cost the client controls: a 403
     # grammar_not_allowed when false); JSON schemas, regexes, choices and tools stay allowed
     allow_grammar: bool = True
+    # the LoRA adapters it may use by name ("*": every one); absent: none, only the base model. Another tenant's
+    # adapter is, to it, a model that does not exist (a 404, and absent from its /v1/models)
+    adapters: tuple[str, ...] | None = None
     # one of the server's own tenants (ANONYMOUS_TENANT, DEFAULT_TENANT), never one of a keys file (from_dict
     # refuses the field): what tells them apart, whatever the names
     builtin: bool = field(default=False, repr=False)
@@ -64,6 +67,16 @@ class Tenant:
         operator's machines) learn no tenant or group names from it."""
         owner = f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.identity}"
         return hashlib.sha256(owner.encode()).hexdigest()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapters, list):  # as JSON gives it: kept as a tuple, so that a Tenant stays hashable
+            object.__setattr__(self, "adapters", tuple(self.adapters))
+
+    def may_use_adapter(self, name: str) -> bool:
+        """The server's own tenants (no keys file) may use every adapter; a keys-file tenant those it lists."""
+        if self.builtin:
+            return True
+        return self.adapters is not None and ("*" in self.adapters or name in self.adapters)
 
     @property
     def tier_rank(self) -> int:
@@ -89,6 +102,9 @@ class Tenant:
         if not self.builtin and self.name in RESERVED_NAMES:
             raise ValueError(f"the tenant name {self.name!r} is reserved for the server's built-in tenant "
                              f"({', '.join(RESERVED_NAMES)} are): choose another name")
+        if self.adapters is not None and (not isinstance(self.adapters, tuple) or len(self.adapters) > 4096 or not all(
+                isinstance(a, str) and 0 < len(a) <= 128 for a in self.adapters)):
+            raise ValueError(f"adapters must be a list of adapter names (or \"*\": all), got {self.adapters!r}")
         if self.cache_group is not None and (not isinstance(self.cache_group, str) or not self.cache_group
                                              or len(self.cache_group) > MAX_IDENTIFIER_CHARS):
             raise ValueError(f"cache_group must be a non-empty name of at most {MAX_IDENTIFIER_CHARS} characters, "
@@ -165,8 +181,10 @@ class KeyStore:
 
     def to_dict(self) -> dict:
         # allow_grammar only when false: files without it stay readable by versions that do not know it
-        return {"tenants": {n: {k: v for k, v in asdict(t).items()
-                                if k in _SETTINGS and not (k == "allow_grammar" and v is True)}
+        # adapters only when set, as a list
+        return {"tenants": {n: {k: list(v) if k == "adapters" else v for k, v in asdict(t).items()
+                                if k in _SETTINGS and not (k == "allow_grammar" and v is True)
+                                and not (k == "adapters" and v is None)}
                             for n, t in self.tenants.items()},
                 "keys": [asdict(k) for k in self.keys.values()]}
 
@@ -187,7 +205,7 @@ class KeyStore:
 
 
 # a tenant's fields in the keys file
-_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group", "allow_grammar")
+_SETTINGS = ("tier", "rpm", "tpm", "max_concurrency", "weight", "cache_group", "allow_grammar", "adapters")
 ANONYMOUS_TENANT = Tenant(ANONYMOUS, builtin=True)
 DEFAULT_TENANT = Tenant(DEFAULT, builtin=True)
 
@@ -211,14 +229,16 @@ def locked(path: str):
 
 def create_key(path: str, tenant: str, tier: str | None = None, rpm: int | None = None, tpm: int | None = None,
                max_concurrency: int | None = None, weight: float | None = None,
-               cache_group: str | None = None, allow_grammar: bool | None = None) -> tuple[str, Tenant]:
+               cache_group: str | None = None, allow_grammar: bool | None = None,
+               adapters: list[str] | None = None) -> tuple[str, Tenant]:
     """Adds a key for tenant (created, or updated with the settings given) and returns (the key, the tenant)."""
     with locked(path):
         store = KeyStore.load(path)
         old = store.tenants.get(tenant)
         fields = {"name": tenant, **({k: getattr(old, k) for k in _SETTINGS} if old is not None else {})}
         for name, value in (("tier", tier), ("rpm", rpm), ("tpm", tpm), ("max_concurrency", max_concurrency),
-                            ("weight", weight), ("cache_group", cache_group), ("allow_grammar", allow_grammar)):
+                            ("weight", weight), ("cache_group", cache_group), ("allow_grammar", allow_grammar),
+                            ("adapters", adapters)):
             if value is not None:
                 fields[name] = value
         new_tenant = Tenant(**fields)

@@ -65,6 +65,12 @@ def check_name(name: object) -> str:
     return name
 
 
+def parse_key(key: str) -> tuple[int, str, str] | None:
+    """A PEFT tensor name -> (layer, module, "A" or "B"); None for a name that is not a projection's LoRA weight."""
+    m = _KEY.fullmatch(key)
+    return None if m is None else (int(m.group(1)), m.group(3), m.group(4))
+
+
 def resolve_path(path: object, root: str | None) -> Path:
     """The adapter folder, symlinks resolved; inside `root` (resolved too) when a root is set."""
     if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
@@ -146,11 +152,11 @@ def read_adapter(path: object, config: ModelConfig, max_rank: int, max_bytes: in
     expected = base_shapes(config)
     seen: dict[tuple[int, str], set[str]] = {}
     for key, shape in shapes.items():
-        m = _KEY.fullmatch(key)
-        if m is None:
+        parsed = parse_key(key)
+        if parsed is None:
             raise AdapterError("adapter_unsupported", f"tensor {key!r} is not a LoRA weight of a projection we adapt "
                                                       f"({', '.join(MODULES)})")
-        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+        layer, module, which = parsed
         if (layer, module) not in expected:
             raise AdapterError("adapter_shape_mismatch", f"tensor {key!r}: the base model has no {module} in layer "
                                                          f"{layer}")

@@ -107,6 +107,10 @@ class Metrics:
         self.batch_lines = Counter("inferd_batch_lines", "Batch API lines by outcome: ok, error (the line's result "
                                    "is an error), retried (the service was busy: it runs again later), invalid "
                                    "(refused when its input file was validated)", ["outcome"], registry=r)
+        self.lora_loaded = Gauge("inferd_lora_adapters_served", "LoRA adapters this server serves (loaded, not "
+                                 "unloaded)", registry=r)
+        self.lora_requests = Counter("inferd_lora_requests", "Generation requests admitted for a LoRA adapter",
+                                     ["adapter"], registry=r)
         self.sse_write_timeouts = Counter("inferd_sse_write_timeouts", "Streams closed because their client read "
                                           "nothing for --sse-write-timeout", registry=r)
         self._gateway = None
@@ -331,6 +335,14 @@ class _WorkerCollector:
                                         "step (decode rows + prefill chunks; 0 when idle)", labels=["worker"])
         stale = CounterMetricFamily("inferd_worker_stale_outputs", "Outputs dropped because their dispatch was given "
                                     "up (an old epoch) or their stream had ended", labels=["worker"])
+        lora_held = GaugeMetricFamily("inferd_worker_lora_adapters", "LoRA adapters the worker holds in host memory",
+                                      labels=["worker"])
+        lora_slots = GaugeMetricFamily("inferd_worker_lora_slots_used", "LoRA adapters in the worker's model slots "
+                                       "(--max-loras)", labels=["worker"])
+        lora_loads = CounterMetricFamily("inferd_worker_lora_loads", "LoRA adapters written into a slot of the "
+                                         "worker's model", labels=["worker"])
+        lora_evictions = CounterMetricFamily("inferd_worker_lora_evictions", "LoRA adapters a slot dropped for "
+                                             "another (kept in host memory)", labels=["worker"])
         for w in self.workers():
             if w.hello is None:
                 continue
@@ -346,7 +358,12 @@ class _WorkerCollector:
                 kv.add_metric([name], s.kv_blocks_in_use / s.kv_num_blocks if s.kv_num_blocks else 0.0)
                 hits.add_metric([name], s.prefix_cache_hits)
                 queries.add_metric([name], s.prefix_cache_queries)
-        yield from (up, state, running, step_tokens, in_flight, kv, hits, queries, stale)
+                lora_held.add_metric([name], len(s.lora_adapters))
+                lora_slots.add_metric([name], s.lora_slots_used)
+                lora_loads.add_metric([name], s.lora_loads)
+                lora_evictions.add_metric([name], s.lora_evictions)
+        yield from (up, state, running, step_tokens, in_flight, kv, hits, queries, stale, lora_held, lora_slots,
+                    lora_loads, lora_evictions)
         yield GaugeMetricFamily("inferd_workers_attached", "Workers attached and not lost (serving, draining or "
                                 "unresponsive)", value=sum(1 for w in self.workers() if w.dead is None))
         chosen, asked = self.affinity()

@@ -269,4 +269,6 @@ class EngineLoop:
                            running_by_tier=list(snap.running_by_tier),
                            preemptions_by_tier=list(snap.preemptions_by_tier),
                            step_seconds_total=self._step_seconds_total, draining=self.draining,
-                           step_tokens=step_tokens)
+                           step_tokens=step_tokens, lora_adapters=list(snap.lora_adapters),
+                           lora_slots_used=snap.lora_slots_used, lora_loads=snap.lora_loads,
+                           lora_evictions=snap.lora_evictions)

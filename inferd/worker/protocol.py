@@ -40,7 +40,14 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 # the limits live with every other limit, in inferd/config.py
-from ..config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, MAX_FRAME_BYTES, MAX_HELLO_STRING, TIERS  # noqa: F401
+from ..config import (  # noqa: F401
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    MAX_FRAME_BYTES,
+    MAX_HELLO_STRING,
+    MAX_WORKER_LORA_NAMES,
+    TIERS,
+)
 from ..engine.errors import InvalidRequestError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.request import SamplingParams
@@ -310,6 +317,11 @@ class WorkerStats:
     # lets a client notice an engine stuck inside one step
     step_in_progress_s: float = 0.0
     draining: bool = False  # shutting down: takes no new request, its running ones finish within the grace period
+    # LoRA adapters: the names this worker holds (the router prefers it for them), slots in use, loads, evictions
+    lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    lora_slots_used: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> WorkerStats:
@@ -319,6 +331,14 @@ class WorkerStats:
             if not isinstance(value, list) or len(value) != len(TIERS) or not all(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
                 setattr(stats, name, [0] * len(TIERS))
+        names = stats.lora_adapters  # bounded: a worker's announcement is not trusted
+        if not isinstance(names, list) or len(names) > MAX_WORKER_LORA_NAMES or not all(
+                isinstance(n, str) and 0 < len(n) <= 128 for n in names):
+            stats.lora_adapters = []
+        for name in ("lora_slots_used", "lora_loads", "lora_evictions"):
+            value = getattr(stats, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                setattr(stats, name, 0)
         return stats
 
 

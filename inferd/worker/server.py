@@ -325,6 +325,17 @@ class WorkerServer:
         except InvalidRequestError as e:
             conn.send(rejected_message(message["request_id"], message.get("epoch", 0), str(e)))
             return
+        lora = getattr(self.loop.engine, "lora", None)
+        if request.params.lora is not None and lora is not None:
+            # its adapter read into host memory here, on this connection's thread, not on the step thread
+            from ..engine.lora import AdapterRef
+            from ..models.lora_format import AdapterError
+
+            try:
+                lora.prepare(AdapterRef.from_params(request.params.lora))
+            except (AdapterError, InvalidRequestError) as e:
+                conn.send(rejected_message(request.request_id, request.epoch, f"LoRA adapter: {e}"))
+                return
         self.loop.add(conn, request)
 
     def _on_abort(self, conn: Connection, message: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ class Authentication:
                 return _unauthorized(f"{path} needs the metrics key: 'Authorization: Bearer METRICS_KEY'")
             scope[TENANT_DETAIL] = keyed or not state.authenticates
             return None
-        if path.startswith("/admin/"):
+        if path.startswith("/admin/") or path in ADMIN_PATHS:
             return self._check_admin_key(scope)
         if not state.authenticates:
             scope[TENANT] = ANONYMOUS_TENANT
@@ -78,6 +78,10 @@ class Authentication:
         if not bearer_matches(scope, admin_key):
             return _unauthorized("the admin API needs the admin key: 'Authorization: Bearer ADMIN_KEY'")
         return None
+
+
+# admin operations at vLLM's paths (the official clients and scripts call them there)
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def bearer_matches(scope, key: str) -> bool:

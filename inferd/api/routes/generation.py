@@ -40,5 +40,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def _generate(body, request: Request) -> Response:
     serving = request.app.state.inferd.require_serving()
     tenant = request.scope[TENANT]
-    prep = await serving.prepare(body, request.scope[RECEIVED_AT], tenant.allow_grammar)
+    prep = await serving.prepare(body, request.scope[RECEIVED_AT], tenant.allow_grammar, tenant)
     return await respond(request, prep, tenant)
