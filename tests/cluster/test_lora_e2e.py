@@ -57,7 +57,7 @@ def lora_setup(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def server(cluster, lora_setup):
     s = lora_setup
-    return cluster("--workers", "1", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+    return cluster("--workers", "2", "--threads", "1", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                    "--lora-modules", f"a={s['a']}", "--lora-root", str(s["root"]), "--admin-key", ADMIN,
                    "--keys", str(s["keys_path"]), name="lora")
 
@@ -103,6 +103,29 @@ def test_a_request_naming_an_adapter_gets_its_output(server, lora_setup, tiny_ll
     m = server.metrics(headers=bearer(ADMIN))
     assert m.get('inferd_lora_requests_total{adapter="a"}', 0) >= 1
     assert m.get("inferd_lora_adapters_served") == 1
+
+
+def test_the_router_prefers_the_workers_that_hold_the_adapter(server, lora_setup):
+    """Only the worker that served adapter a holds it: a burst of requests for a all go there (without the
+    preference, the least loaded worker takes each, and a burst splits evenly: tests/cluster/test_routing.py)."""
+    alice = lora_setup["keys"]["alice"]
+    first = httpx.post(server.url + "/v1/completions", json={"model": "a", "prompt": "hello", "max_tokens": 2},
+                       headers=bearer(alice), timeout=30)
+    holder = first.headers["x-inferd-worker"]
+    other = ({"worker-0", "worker-1"} - {holder}).pop()
+    # the holder's heartbeat lists it; the other worker never read it
+    server.wait_metrics(lambda m: m.get(f'inferd_worker_lora_adapters{{worker="{holder}"}}', 0) >= 1)
+    assert server.metrics().get(f'inferd_worker_lora_adapters{{worker="{other}"}}') == 0
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=bearer(alice), timeout=60) as client:
+            return await asyncio.gather(*(client.post(server.url + "/v1/completions", json={
+                "model": "a", "prompt": p, "max_tokens": 16, "ignore_eos": True})
+                for p in random_prompts(8, (10, 20), seed=37)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8
+    assert {r.headers["x-inferd-worker"] for r in responses} == {holder}
 
 
 def admin_post(server, path: str, body: dict, key: str = ADMIN) -> httpx.Response:
