@@ -21,7 +21,9 @@ references elsewhere. `mode="reference"` (`--kernels reference`) forces the refe
 On CUDA every op is a Triton kernel (`triton_decode.py`, `triton_prefill.py`: split-K paged decode, varlen paged
 prefill, float8 KV decoded in the kernel; `triton_elementwise.py`: add+RMSNorm, RoPE with the KV write (float8 encoded
 in the kernel, byte for byte torch's cast), SiLU x up; `triton_moe.py`: the MoE experts as two grouped GEMMs over
-expert-sorted tokens, `fused_moe`, which models/moe.py's block calls where its ops have it). `mode="triton"` selects
+expert-sorted tokens, `fused_moe`, which models/moe.py's block calls where its ops have it; `triton_lora.py`: the LoRA
+deltas of a step's rows, each row through its own adapter slot, as a shrink and an expand kernel per projection,
+`lora_add`). `mode="triton"` selects
 the Triton kernels on any device: on a CPU they only run under Triton's interpreter (`TRITON_INTERPRET=1`), which is
 how `make test` checks them, alone (tests/kernels/test_triton_*.py) and inside whole engines
 (tests/engine/test_triton_engine.py), against the references. One difference in meaning: the varlen prefill kernel
@@ -72,7 +74,7 @@ REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_r
 def triton_ops() -> types.SimpleNamespace | None:
     """The Triton kernels (attention, add+RMSNorm, RoPE with the KV write, SiLU x up); None where triton does not
     import."""
-    from . import triton_decode, triton_elementwise, triton_moe, triton_prefill
+    from . import triton_decode, triton_elementwise, triton_lora, triton_moe, triton_prefill
 
     if not (triton_decode.AVAILABLE and triton_prefill.AVAILABLE and triton_elementwise.AVAILABLE):
         return None
@@ -81,7 +83,7 @@ def triton_ops() -> types.SimpleNamespace | None:
                                  paged_decode_attention=triton_decode.paged_decode_attention, decode_in_place=True,
                                  paged_prefill_attention=triton_prefill.paged_prefill_attention, prefill_varlen=True,
                                  decode_layers=None, attention_options=True, partial_rotary=True,
-                                 fused_moe=triton_moe.fused_moe)
+                                 fused_moe=triton_moe.fused_moe, lora_add=triton_lora.lora_add)
 
 
 def select(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype,
