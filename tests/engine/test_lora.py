@@ -40,10 +40,16 @@ def lora(tiny_llama_dir, tmp_path_factory):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     refs = {None: [hf_greedy(lambda: base, p, MAX_NEW) for p in prompts]}
-    for name, d in dirs.items():
-        merged = merged_hf_model(tiny_llama_dir, d)
-        refs[name] = [hf_greedy(lambda m=merged: m, p, MAX_NEW) for p in prompts]
-    return SimpleNamespace(dirs=dirs, specs=specs, prompts=prompts, refs=refs, model_dir=tiny_llama_dir)
+    # per model, a prompt that holds its own greedy output: P + its output + P, so that n-gram drafts find matches
+    spec_prompts, spec_refs = {}, {}
+    for name, d in [(None, None), *dirs.items()]:
+        merged = base if d is None else merged_hf_model(tiny_llama_dir, d)
+        if d is not None:
+            refs[name] = [hf_greedy(lambda m=merged: m, p, MAX_NEW) for p in prompts]
+        spec_prompts[name] = prompts[0] + refs[name][0].tokens + prompts[0]
+        spec_refs[name] = hf_greedy(lambda m=merged: m, spec_prompts[name], MAX_NEW)
+    return SimpleNamespace(dirs=dirs, specs=specs, prompts=prompts, refs=refs, model_dir=tiny_llama_dir,
+                           spec_prompts=spec_prompts, spec_refs=spec_refs)
 
 
 def engine(lora, **kw) -> Engine:
@@ -158,3 +164,26 @@ def test_a_request_for_an_adapter_on_an_engine_without_lora_is_refused(lora):
                                         max_model_len=256))
     with pytest.raises(InvalidRequestError, match="no LoRA adapters"):
         e.add_request([1, 2, 3], params(lora, "all-r8"))
+
+
+def test_speculative_decoding_verifies_drafts_with_the_adapter(lora):
+    """n-gram drafts verified in one pass with each row's adapter: the outputs are still the adapter's."""
+    e = engine(lora, speculative="ngram", num_draft=3, ngram_min=1)
+    names = [None, *lora.dirs]
+    reqs, _ = run_staggered(e, [lora.spec_prompts[n] for n in names], [params(lora, n) for n in names], every=1)
+    for name, req in zip(names, reqs):
+        assert_greedy_parity(req.output_token_ids, req.debug_logits, lora.spec_refs[name], f"{name} speculative")
+    # drafts were verified beside the adapters' rows (a request's k + 1 rows all through its adapter: a request
+    # counted as one row would give the next request's first row the wrong adapter)
+    assert e.stats.spec_drafted > 0
+
+
+def test_structured_outputs_with_an_adapter(lora):
+    e = engine(lora, max_loras=2)
+    choices = ["red", "green", "blue"]
+    spec = lora.specs["all-r8"]
+    p = SamplingParams(max_tokens=8, temperature=0, structured=("choice", json.dumps(choices)),
+                       lora=["all-r8", spec.path, spec.digest])
+    req = e.generate([lora.prompts[1]], p)[0]
+    assert e.tokenizer.decode(req.output_token_ids) in choices
+    assert e.lora.loads == 1

@@ -90,11 +90,12 @@ def _inferd(*args: str) -> subprocess.CompletedProcess:
 def test_keys_cli(tmp_path):
     path = str(tmp_path / "keys.json")
     created = _inferd("keys", "create", "--keys", path, "--tenant", "acme", "--tier", "batch", "--tpm", "5000",
-                      "--cache-group", "acme-and-friends")
+                      "--cache-group", "acme-and-friends", "--adapters", "sql-v1,support")
     assert created.returncode == 0, created.stderr
     key = created.stdout.strip()
     assert key.startswith("sk-inferd-") and "\n" not in key  # stdout is the key alone (scripts capture it)
     assert KeyStore.load(path).authenticate(key).tier == "batch"
+    assert KeyStore.load(path).authenticate(key).adapters == ("sql-v1", "support")
     listed = _inferd("keys", "list", "--keys", path)
     assert listed.returncode == 0 and "acme" in listed.stdout and "batch" in listed.stdout
     assert "acme-and-friends" in listed.stdout
@@ -148,3 +149,22 @@ def test_stored_things_are_owned_by_identities_that_never_collide():
     # a keys-file tenant is never a built-in one, whatever its name (even one loaded before names were reserved)
     assert Tenant("anonymous").identity == "key:anonymous" != ANONYMOUS_TENANT.identity
     assert Tenant("anonymous").cache_salt != ANONYMOUS_TENANT.cache_salt
+
+
+def test_a_tenant_uses_the_adapters_its_entry_lists(tmp_path):
+    """Absent: none (another tenant's fine-tune is not a default); a list: those; "*": all. The server's own tenants
+    (no keys file) use every adapter. The list survives the file."""
+    from inferd.gateway.tenants import ANONYMOUS_TENANT
+
+    path = str(tmp_path / "keys.json")
+    create_key(path, "none")
+    create_key(path, "some", adapters=["a"])
+    create_key(path, "all", adapters=["*"])
+    tenants = KeyStore.load(path).tenants
+    assert [tenants["none"].may_use_adapter(n) for n in ("a", "b")] == [False, False]
+    assert [tenants["some"].may_use_adapter(n) for n in ("a", "b")] == [True, False]
+    assert [tenants["all"].may_use_adapter(n) for n in ("a", "b")] == [True, True]
+    assert ANONYMOUS_TENANT.may_use_adapter("a")
+    assert "adapters" not in json.load(open(path))["tenants"]["none"]
+    with pytest.raises(ValueError, match="adapters"):
+        create_key(path, "bad", adapters=[""])
