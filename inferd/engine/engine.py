@@ -402,6 +402,9 @@ class Engine:
                 self._fail(*failure)
             for req in ready:
                 self.scheduler.add(req)
+        if self.lora is not None:
+            for req, why in self.lora.unavailable(self.scheduler.waiting):
+                self._fail(req, why, "adapter_unavailable")
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         return self.scheduler.schedule()

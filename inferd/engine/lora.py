@@ -125,6 +125,24 @@ class LoraManager:
                 entry[p] = (a, b[lo:lo + parts[proj][p]])
         return HostAdapter(spec, weights)
 
+    def unavailable(self, waiting) -> list[tuple[object, str]]:
+        """The waiting requests whose adapter is in no slot and cannot be read into host memory (its files gone
+        since the gateway checked them), with why: they end with an error rather than wait for an adapter that is
+        never coming. Reads from disk the adapters of the others that were dropped from host memory."""
+        out = []
+        for req in waiting:
+            value = req.params.lora
+            if value is None:
+                continue
+            ref = AdapterRef.from_params(value)
+            if ref.key in self.slot_keys:
+                continue
+            try:
+                self.prepare(ref)
+            except AdapterError as e:
+                out.append((req, f"LoRA adapter {ref.name}: {e}"))
+        return out
+
     def host_count(self) -> int:
         with self._lock:
             return len(self._host)
@@ -148,7 +166,10 @@ class LoraManager:
         if not free:
             return False
         slot = free[0]
-        self.prepare(ref)  # normally there already (the worker read it on arrival); else from disk, now
+        try:
+            self.prepare(ref)  # normally there already (unavailable() ran this step); else from disk, now
+        except AdapterError:
+            return False  # gone since: the next step's unavailable() ends the request
         with self._lock:
             adapter = self._host[ref.key]
         if self.slot_keys[slot] is not None:

@@ -441,7 +441,7 @@ def rejected_message(request_id: str, epoch: int, error: str, retry: bool = Fals
 
 # the codes of a request's failure that are the request's own fault (a 4xx for its client); other failures are the
 # server's (a 500). Optional on the wire: a client that does not know one treats the failure as the server's
-CLIENT_ERROR_CODES = frozenset({"grammar_too_slow"})
+CLIENT_ERROR_CODES = frozenset({"grammar_too_slow", "adapter_unavailable"})
 
 
 def error_message(error: str, request_id: str | None = None, epoch: int | None = None,

@@ -141,6 +141,12 @@ def test_bad_adapters_are_400s_with_a_named_reason(server, lora_setup):
         assert r.json()["error"]["code"] == code, (what, r.json())
     r = admin_post(server, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(lora_setup["b"])})
     assert r.status_code == 400  # the base model's name
+    for body in ({"lora_name": "../b", "lora_path": str(lora_setup["b"])},  # not a name
+                 {"lora_name": "x" * 129, "lora_path": str(lora_setup["b"])},
+                 {"lora_name": "x"}, {"lora_name": "x", "lora_path": str(lora_setup["b"]), "extra": 1},
+                 {"lora_name": "x", "lora_path": "a" * 5000}):
+        r = admin_post(server, "/v1/load_lora_adapter", body)
+        assert r.status_code == 400 and "error" in r.json(), (body, r.text)
     # a tenant's key does not open it
     r = admin_post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(lora_setup["b"])},
                    key=lora_setup["keys"]["carol"])

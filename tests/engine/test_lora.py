@@ -187,3 +187,25 @@ def test_structured_outputs_with_an_adapter(lora):
     req = e.generate([lora.prompts[1]], p)[0]
     assert e.tokenizer.decode(req.output_token_ids) in choices
     assert e.lora.loads == 1
+
+
+def test_a_request_whose_adapter_is_gone_ends_with_an_error(lora, tmp_path):
+    """Its files deleted after the gateway checked them: the request ends (adapter_unavailable), it does not wait
+    for an adapter that is never coming, and the others run."""
+    import shutil
+
+    gone = tmp_path / "gone"
+    shutil.copytree(lora.dirs["qv-r4"], gone)
+    spec = read_adapter(str(gone), load_model_config(lora.model_dir), max_rank=8, max_bytes=1 << 30)
+    shutil.rmtree(gone)
+    e = engine(lora)
+    bad = e.add_request(lora.prompts[0], SamplingParams(max_tokens=4, lora=["gone", spec.path, spec.digest]))
+    good = e.add_request(lora.prompts[0], params(lora, "all-r8"))
+    done = e.requests[good]
+    while e.has_unfinished_requests():
+        e.step()
+    failed = e.take_failed()
+    assert [(rid, code) for rid, _, code in failed] == [(bad, "adapter_unavailable")]
+    assert "no adapter folder" in failed[0][1]
+    assert len(done.output_token_ids) == MAX_NEW
+    e.kv_cache.check_no_leaks()
