@@ -97,6 +97,14 @@ def decode_step_ms(e: Engine, loras: list, batch: int, steps: int, prompt_len: i
 def bench_step(args, cfg, folders_all, folders_qv) -> None:
     print(f"decode step, batch {args.batch}, {args.adapters} adapters of rank {args.rank}, {args.dtype} "
           f"(median of {args.steps} steps)")
+    plain = Engine.from_config(EngineConfig(dtype=args.dtype, kv_cache_bytes=512 << 20, max_num_seqs=64,
+                                            max_num_batched_tokens=2048))
+    off = min(decode_step_ms(plain, [None], args.batch, args.steps) for _ in range(2))
+    del plain
+    on = engine(args.dtype, args.rank, args.adapters)
+    base_on = min(decode_step_ms(on, [None], args.batch, args.steps) for _ in range(2))
+    del on
+    print(f"  the base alone: --enable-lora off {off:7.2f} ms | on {base_on:7.2f} ms | ratio {base_on / off:.2f}x")
     for label, folders in (("all 7 projections", folders_all), ("q and v only", folders_qv)):
         e = engine(args.dtype, args.rank, args.adapters)
         loras = refs(folders, cfg, args.rank)

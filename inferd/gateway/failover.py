@@ -62,6 +62,8 @@ class FailoverTicket(Protocol):
     @property
     def prompt_hashes(self) -> list[bytes]: ...
     @property
+    def adapter(self) -> str | None: ...  # its LoRA adapter (the router prefers workers that hold it)
+    @property
     def finished(self) -> bool: ...
 
 
