@@ -25,19 +25,26 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def gqa3():
-    """A 2-layer random Llama: hidden 96, 3 query heads over 1 KV head of 32."""
+def gqa3_weights():
+    """A 2-layer random Llama's weights as transformers names them, and its config: hidden 96, 3 query heads over 1
+    KV head of 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from inferd.models.build import build_model
     from inferd.models.config import ModelConfig
 
     torch.manual_seed(5)
     hf_cfg = LlamaConfig(vocab_size=384, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256, eos_token_id=2,
                          bos_token_id=1, tie_word_embeddings=True, initializer_range=PEAKED_INIT)
-    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
-    return build_model(cfg, LlamaForCausalLM(hf_cfg).eval().state_dict(), torch.float32), cfg
+    return LlamaForCausalLM(hf_cfg).eval().state_dict(), ModelConfig.from_hf_dict(hf_cfg.to_dict())
+
+
+@pytest.fixture(scope="module")
+def gqa3(gqa3_weights):
+    from inferd.models.build import build_model
+
+    state, cfg = gqa3_weights
+    return build_model(cfg, state, torch.float32), cfg
 
 
 def _prompts(vocab: int, shared_prefix: int) -> list[list[int]]:
@@ -100,3 +107,39 @@ def test_static_decode_path_keyed_by_batch_only(gqa3):
     assert graphs.in_place and graphs.buckets == [128 // 16]
     assert sum(graphs.steps.values()) > 0 and len({b for b, _ in graphs.steps}) >= 2
     _assert_same_greedy(ours, ref, "static")
+
+
+def test_lora_adapters_on_the_triton_kernels(gqa3_weights, tmp_path):
+    """LoRA rows through kernels/triton_lora.py inside the engine (the slots' buffers, a step's row slots, base rows
+    beside two adapters), against the same engine on the torch references."""
+    import json
+
+    from lora_adapters import write_adapter
+
+    from inferd.models.build import build_model
+    from inferd.models.lora_format import read_adapter
+
+    weights, cfg = gqa3_weights
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "num_hidden_layers": cfg.num_hidden_layers}))
+    loras = [None]
+    for i, modules in enumerate((("q_proj", "v_proj", "down_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj"))):
+        spec = read_adapter(str(write_adapter(tmp_path / f"a{i}", folder, rank=4, seed=40 + i, modules=modules,
+                                              std=0.2)), cfg, max_rank=4, max_bytes=1 << 30)
+        loras.append([f"a{i}", spec.path, spec.digest])
+    results = {}
+    for mode in ("reference", "triton"):
+        model = build_model(cfg, weights, torch.float32)  # a model of its own: the engine attaches slots to it
+        config = EngineConfig(kv_cache_bytes=kv_bytes_per_block(cfg, 16, torch.float32) * 64, record_logits=True,
+                              kernels=mode, max_num_seqs=8, max_num_batched_tokens=32, enable_lora=True,
+                              max_loras=2, max_lora_rank=4)
+        engine = Engine(model, cfg, config, torch.float32)
+        params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, lora=loras[i % 3])
+                  for i in range(3)]
+        reqs, _ = run_staggered(engine, _prompts(cfg.vocab_size, 0)[:3], params, every=1)
+        results[mode] = [(list(r.output_token_ids), [x.float() for x in r.debug_logits]) for r in reqs]
+    _assert_same_greedy(results["triton"], results["reference"], "lora")
