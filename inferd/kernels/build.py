@@ -62,7 +62,8 @@ def _compiler() -> str | None:
 
 def build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), *(SOURCE.with_name(n).read_bytes() for n in HEADERS), torch.__version__.encode(), compiler.encode(), _cpu_flags().encode(),
+    headers = [SOURCE.with_name(name).read_bytes() for name in HEADERS]
+    for part in (SOURCE.read_bytes(), *headers, torch.__version__.encode(), compiler.encode(), _cpu_flags().encode(),
                  sys.version.encode(), " ".join(_command(compiler, Path("out"))).encode()):
         h.update(part)
         h.update(b"\0")
