@@ -80,6 +80,7 @@ def projection_row(in_f: int, parts: list[int], state: LoraState, args, dtype, o
 def per_call(args, dtype, ops) -> None:
     g = torch.Generator().manual_seed(0)
     state = LoraState(args.slots, args.rank, ops.lora_add)
+    state.ranks = [args.rank] * args.slots  # begin_step copies them
     state.begin_step([i % args.slots for i in range(args.rows)], torch.device("cpu"))
     print(f"{args.dtype}, {args.rows} rows over {args.slots} slots, rank {args.rank}, {args.layers} layers, "
           f"{torch.get_num_threads()} threads; per call, median of {args.reps}:")

@@ -5,15 +5,21 @@
 // (Cvt, to_f, rnd, raw, check_cpu) and dot_bf16.
 //
 // A decode step has few rows per slot (e.g. 32 rows over 8 adapters) and runs ~120 of these calls: at::mm per slot
-// would cost ~4 + 2 P dispatches each (index_select, mm, per-part mm, index_add), more than the arithmetic. So a
-// segment of up to kLoraLoopMaxRows rows runs hand-written loops, two parallel passes over all such segments, no
-// allocation but one float buffer: the shrink (xa = x A^T, one task per (segment, A row): dot products over `in`,
-// the A row read once for all the segment's rows) and the expand (y += xa B^T, one task per (segment, part, block
-// of columns): axpy over the contiguous rows of bt). A longer segment (a prefill chunk) goes through at::mm.
+// would cost ~4 + 2 P dispatches each (index_select, mm, per-part mm, index_add), more than the arithmetic (and
+// oneDNN's rank-16-thin matmuls are slow anyway). So a segment of up to kLoraLoopMaxRows rows runs hand-written
+// loops, two passes over all such segments in one parallel region, no allocation but small buffers: the shrink
+// (xa = x A^T, one task per (segment, A row): dot products over `in`, four rows per pass over the A row) and the
+// expand (y += xa B^T, one task per (segment, part, 64 columns): four rows' accumulators in registers over the
+// rows of bt). The adapters' weights come from memory at every call (8 slots of rank 16 are ~0.3x a SmolLM2 step's
+// weight bytes), so both passes prefetch ahead. A longer segment (a long prefill chunk) goes through at::mm.
 // Both compute as the reference does: float32 accumulation, xa and the delta rounded to y's dtype, then added.
 
-constexpr int64_t kLoraLoopMaxRows = 16;  // past it at::mm's blocking wins over the loops (bench/lora_op.py)
+// a segment of more rows goes through at::mm: measured (bench/lora_op.py --slots 1, one thread, bf16, SmolLM2's
+// projections) the loops take 1/4 of at::mm's time at 17 rows, as much at 128-256, 1.1x at 512
+constexpr int64_t kLoraLoopMaxRows = 256;
 constexpr int64_t kLoraColBlock = 64;     // columns of one expand task: its accumulators stay in L1
+constexpr int64_t kLoraParallelWork = 65536;  // multiply-adds (a few us) below which one thread does it all
+constexpr int64_t kLoraPrefetch = 1024;   // elements of A ahead of the shrink's loads (the rows follow each other)
 
 #if defined(__AVX512F__)
 inline __m512 lora_load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -35,6 +41,7 @@ inline void lora_dots(const T* a, const T* const* xs, int64_t n, float* out) {
     __m512 acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
     for (; k + 32 <= n; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(a + k + kLoraPrefetch), _MM_HINT_T0);
       const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + k));
       for (int i = 0; i < NR; ++i) {
         const __m512i vx = _mm512_loadu_si512(reinterpret_cast<const void*>(xs[i] + k));
@@ -49,6 +56,7 @@ inline void lora_dots(const T* a, const T* const* xs, int64_t n, float* out) {
     __m512 acc[NR];
     for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
     for (; k + 16 <= n; k += 16) {
+      if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + k + kLoraPrefetch), _MM_HINT_T0);
       const __m512 va = lora_load16(a + k);
       for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(va, lora_load16(xs[i] + k), acc[i]);
     }
@@ -76,6 +84,8 @@ inline void lora_expand_block(const T* b, int64_t b_stride, int64_t r, const flo
     for (int q = 0; q < 4; ++q) c[i][q] = _mm512_setzero_ps();
   for (int64_t j = 0; j < r; ++j) {
     const T* bj = b + j * b_stride;
+    for (size_t o = 0; o < 64 * sizeof(T); o += 64)  // this row's columns of the task after next
+      _mm_prefetch(reinterpret_cast<const char*>(bj + 128) + o, _MM_HINT_T0);
     const __m512 b0 = lora_load16(bj), b1 = lora_load16(bj + 16), b2 = lora_load16(bj + 32),
                  b3 = lora_load16(bj + 48);
     for (int i = 0; i < NR; ++i) {
@@ -119,24 +129,26 @@ void lora_loops(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int6
   // the shrink: one task per (segment, A row)
   std::vector<int64_t> first(segs.size() + 1, 0);  // the first task of each segment
   for (size_t g = 0; g < segs.size(); ++g) first[g + 1] = first[g] + P * segs[g].rank;
-  at::parallel_for(0, first.back(), 8, [&](int64_t begin, int64_t end) {
-    const T* xs[kLoraLoopMaxRows];
-    float dots[kLoraLoopMaxRows];
-    size_t g = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[g + 1]) ++g;
-      const LoraSeg& s = segs[g];
-      const int64_t row = task - first[g], rows = s.hi - s.lo;
-      for (int64_t i = 0; i < rows; ++i) xs[i] = x + perm[s.lo + i] * x_stride;
-      lora_dots_n<T>(a + s.slot * a_slot + row * in, xs, rows, in, dots);
-      for (int64_t i = 0; i < rows; ++i) xa[(s.lo + i) * xa_width + row] = rnd<T>(dots[i]);
+  auto shrink = [&](int64_t task) {
+    const size_t g = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+    const LoraSeg& s = segs[g];
+    const int64_t row = task - first[g];
+    const T* arow = a + s.slot * a_slot + row * in;
+    for (int64_t i0 = s.lo; i0 < s.hi; i0 += 4) {  // four x rows per pass over the A row
+      const int64_t nr = std::min<int64_t>(4, s.hi - i0);
+      const T* xs[4];
+      float dots[4];
+      for (int64_t i = 0; i < nr; ++i) xs[i] = x + perm[i0 + i] * x_stride;
+      lora_dots_n<T>(arow, xs, nr, in, dots);
+      for (int64_t i = 0; i < nr; ++i) xa[(i0 + i) * xa_width + row] = rnd<T>(dots[i]);
     }
-  });
+  };
   // the expand: one task per (segment, part, block of kLoraColBlock columns)
   struct Task {
     int64_t seg, part, off, size, c0, c1;  // columns [c0, c1) of part `part` (at column off, size wide)
   };
   std::vector<Task> tasks;
+  int64_t work = 0;  // multiply-adds
   for (size_t g = 0; g < segs.size(); ++g) {
     int64_t off = 0;
     for (int64_t p = 0; p < P; ++p) {
@@ -144,34 +156,34 @@ void lora_loops(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int6
         tasks.push_back({static_cast<int64_t>(g), p, off, parts[p], c, std::min(parts[p], c + kLoraColBlock)});
       off += parts[p];
     }
+    work += (segs[g].hi - segs[g].lo) * segs[g].rank * (P * in + out);
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kLoraLoopMaxRows][kLoraColBlock];
-    for (int64_t t = begin; t < end; ++t) {
-      const Task& k = tasks[t];
-      const LoraSeg& s = segs[k.seg];
-      const int64_t rows = s.hi - s.lo, r = s.rank, w = k.c1 - k.c0;
-      // part p's block of scale * B^T: row-major [r, size] at element r * off of the slot
-      const T* b = bt + s.slot * bt_slot + r * k.off + k.c0;
-      const float* xs = xa.data() + s.lo * xa_width + k.part * r;  // row i's j-th: xs[i * xa_width + j]
+  auto expand = [&](int64_t t) {
+    alignas(64) float acc[4][kLoraColBlock];
+    const Task& k = tasks[t];
+    const LoraSeg& s = segs[k.seg];
+    const int64_t r = s.rank, w = k.c1 - k.c0;
+    // part p's block of scale * B^T: row-major [r, size] at element r * off of the slot
+    const T* b = bt + s.slot * bt_slot + r * k.off + k.c0;
+    for (int64_t i0 = s.lo; i0 < s.hi; i0 += 4) {  // four rows at a time, their accumulators in registers
+      const int64_t nr = std::min<int64_t>(4, s.hi - i0);
+      const float* xs = xa.data() + i0 * xa_width + k.part * r;  // row i0 + i's j-th: xs[i * xa_width + j]
 #if defined(__AVX512F__)
       static_assert(kLoraColBlock == 64, "lora_expand_block computes 64 columns");
       if (w == kLoraColBlock) {
-        int64_t i = 0;
-        for (; i + 4 <= rows; i += 4) lora_expand_block<T, 4>(b, k.size, r, xs + i * xa_width, xa_width, acc[i]);
-        switch (rows - i) {
-          case 3: lora_expand_block<T, 3>(b, k.size, r, xs + i * xa_width, xa_width, acc[i]); break;
-          case 2: lora_expand_block<T, 2>(b, k.size, r, xs + i * xa_width, xa_width, acc[i]); break;
-          case 1: lora_expand_block<T, 1>(b, k.size, r, xs + i * xa_width, xa_width, acc[i]); break;
-          default: break;
+        switch (nr) {
+          case 4: lora_expand_block<T, 4>(b, k.size, r, xs, xa_width, acc[0]); break;
+          case 3: lora_expand_block<T, 3>(b, k.size, r, xs, xa_width, acc[0]); break;
+          case 2: lora_expand_block<T, 2>(b, k.size, r, xs, xa_width, acc[0]); break;
+          default: lora_expand_block<T, 1>(b, k.size, r, xs, xa_width, acc[0]); break;
         }
       } else
 #endif
       {
-        for (int64_t i = 0; i < rows; ++i) std::fill(acc[i], acc[i] + w, 0.f);
+        for (int64_t i = 0; i < nr; ++i) std::fill(acc[i], acc[i] + w, 0.f);
         for (int64_t j = 0; j < r; ++j) {
           const T* bj = b + j * k.size;
-          for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t i = 0; i < nr; ++i) {
             const float v = xs[i * xa_width + j];
             float* ai = acc[i];
 #pragma omp simd
@@ -179,14 +191,26 @@ void lora_loops(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int6
           }
         }
       }
-      for (int64_t i = 0; i < rows; ++i) {  // y += delta, the delta rounded first (the reference's index_add)
-        T* yi = y + perm[s.lo + i] * y_stride + k.off + k.c0;
+      for (int64_t i = 0; i < nr; ++i) {  // y += delta, the delta rounded first (the reference's index_add)
+        T* yi = y + perm[i0 + i] * y_stride + k.off + k.c0;
         const float* ai = acc[i];
 #pragma omp simd
         for (int64_t c = 0; c < w; ++c) yi[c] = from_f<T>(to_f(yi[c]) + rnd<T>(ai[c]));
       }
     }
-  });
+  };
+  // One parallel region for both passes (torch's OpenMP pool, as at::parallel_for's; a barrier between them):
+  // a region costs microseconds, as much as a small call's arithmetic. Static chunks: a thread's shrink tasks are
+  // consecutive A rows, one stream for the prefetcher.
+  const int64_t n_shrink = first.back(), n_expand = static_cast<int64_t>(tasks.size());
+  const int threads = at::in_parallel_region() || work < kLoraParallelWork ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < n_shrink; ++task) shrink(task);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_expand; ++t) expand(t);
+  }
 }
 
 // A long segment (a prefill chunk) through at::mm: the reference's ops for it.

@@ -56,8 +56,8 @@ def _both(fused, state, target, y, x, row_slots):
 
 
 # a decode step's rows of three adapters (ranks 4, 16 = max, 4) and the base model (-1), no slot's rows contiguous;
-# and a long run of one slot (a prefill chunk: at::mm) beside a short one
-ROWS = {"decode": [0, -1, 1, 0, 2, -1, 1, 0, 2, 1], "chunk": [1] * 24 + [-1, 0, 0, -1]}
+# and a long run of one slot (a prefill chunk: past 256 rows at::mm runs it) beside a short one
+ROWS = {"decode": [0, -1, 1, 0, 2, -1, 1, 0, 2, 1], "chunk": [1] * 260 + [-1, 0, 0, -1]}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
