@@ -21,15 +21,45 @@ constexpr int64_t kLoraColBlock = 64;     // columns of one expand task: its acc
 constexpr int64_t kLoraParallelWork = 65536;  // multiply-adds (a few us) below which one thread does it all
 constexpr int64_t kLoraPrefetch = 1024;   // elements of A ahead of the shrink's loads (the rows follow each other)
 
+// The vector loops, in AVX-512 (16 floats a vector, 4 vectors a register tile's row) or AVX2 + FMA + F16C (8, 2):
+// loads convert to float32 (bf16 by a 16-bit shift), sums are float32 fused multiply-adds. Without either, plain
+// loops (the compiler's vectors).
 #if defined(__AVX512F__)
-inline __m512 lora_load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 lora_load16(const uint16_t* p) {  // bf16 bits -> float: a 16-bit shift
+#define INFERD_LORA_VEC 1
+using LVec = __m512;
+constexpr int kLW = 16, kLQ = 4;
+inline LVec lv_zero() { return _mm512_setzero_ps(); }
+inline LVec lv_set1(float v) { return _mm512_set1_ps(v); }
+inline LVec lv_fma(LVec a, LVec b, LVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void lv_store(float* p, LVec v) { _mm512_storeu_ps(p, v); }
+inline float lv_sum(LVec v) { return _mm512_reduce_add_ps(v); }
+inline LVec lv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline LVec lv_load(const uint16_t* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-inline __m512 lora_load16(const c10::Half* p) {
+inline LVec lv_load(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INFERD_LORA_VEC 1
+using LVec = __m256;
+constexpr int kLW = 8, kLQ = 2;
+inline LVec lv_zero() { return _mm256_setzero_ps(); }
+inline LVec lv_set1(float v) { return _mm256_set1_ps(v); }
+inline LVec lv_fma(LVec a, LVec b, LVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void lv_store(float* p, LVec v) { _mm256_storeu_ps(p, v); }
+inline float lv_sum(LVec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+inline LVec lv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline LVec lv_load(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline LVec lv_load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // out[i] = dot(a, xs[i]) over n, for NR rows at once (the A row loaded once, one accumulator per row)
@@ -52,20 +82,20 @@ inline void lora_dots(const T* a, const T* const* xs, int64_t n, float* out) {
   } else
 #endif
   {
-#if defined(__AVX512F__)
-    __m512 acc[NR];
-    for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
-    for (; k + 16 <= n; k += 16) {
+#ifdef INFERD_LORA_VEC
+    LVec acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = lv_zero();
+    for (; k + kLW <= n; k += kLW) {
       if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + k + kLoraPrefetch), _MM_HINT_T0);
-      const __m512 va = lora_load16(a + k);
-      for (int i = 0; i < NR; ++i) acc[i] = _mm512_fmadd_ps(va, lora_load16(xs[i] + k), acc[i]);
+      const LVec va = lv_load(a + k);
+      for (int i = 0; i < NR; ++i) acc[i] = lv_fma(va, lv_load(xs[i] + k), acc[i]);
     }
-    for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < NR; ++i) out[i] = lv_sum(acc[i]);
 #else
     for (int i = 0; i < NR; ++i) out[i] = 0.f;
 #endif
   }
-  for (int i = 0; i < NR; ++i) {  // the tail (all of it without AVX-512)
+  for (int i = 0; i < NR; ++i) {  // the tail (all of it without vector loops)
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = k; j < n; ++j) s += to_f(a[j]) * to_f(xs[i][j]);
@@ -73,31 +103,34 @@ inline void lora_dots(const T* a, const T* const* xs, int64_t n, float* out) {
   }
 }
 
-#if defined(__AVX512F__)
-// acc[i, :64] = sum_j xa[i * xa_stride + j] * b[j * b_stride + :64] for NR rows: a full block of columns, its
-// accumulators in registers (each row of b loaded and converted once for the NR rows)
+#ifdef INFERD_LORA_VEC
+// acc[i, :64] = sum_j xa[i * xa_stride + j] * b[j * b_stride + :64] for NR rows: a full block of columns, kLQ
+// vectors of it at a time with their accumulators in registers (each row of b loaded and converted once for the NR
+// rows)
 template <typename T, int NR>
 inline void lora_expand_block(const T* b, int64_t b_stride, int64_t r, const float* xa, int64_t xa_stride,
                               float* acc) {
-  __m512 c[NR][4];
-  for (int i = 0; i < NR; ++i)
-    for (int q = 0; q < 4; ++q) c[i][q] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < r; ++j) {
-    const T* bj = b + j * b_stride;
-    for (size_t o = 0; o < 64 * sizeof(T); o += 64)  // this row's columns of the task after next
-      _mm_prefetch(reinterpret_cast<const char*>(bj + 128) + o, _MM_HINT_T0);
-    const __m512 b0 = lora_load16(bj), b1 = lora_load16(bj + 16), b2 = lora_load16(bj + 32),
-                 b3 = lora_load16(bj + 48);
-    for (int i = 0; i < NR; ++i) {
-      const __m512 v = _mm512_set1_ps(xa[i * xa_stride + j]);
-      c[i][0] = _mm512_fmadd_ps(v, b0, c[i][0]);
-      c[i][1] = _mm512_fmadd_ps(v, b1, c[i][1]);
-      c[i][2] = _mm512_fmadd_ps(v, b2, c[i][2]);
-      c[i][3] = _mm512_fmadd_ps(v, b3, c[i][3]);
+  constexpr int kCols = kLW * kLQ;
+  for (int c0 = 0; c0 < 64; c0 += kCols) {
+    LVec c[NR][kLQ];
+    for (int i = 0; i < NR; ++i)
+      for (int q = 0; q < kLQ; ++q) c[i][q] = lv_zero();
+    for (int64_t j = 0; j < r; ++j) {
+      const T* bj = b + j * b_stride;
+      if (c0 == 0) {
+        for (size_t o = 0; o < 64 * sizeof(T); o += 64)  // this row's columns of the task after next
+          _mm_prefetch(reinterpret_cast<const char*>(bj + 128) + o, _MM_HINT_T0);
+      }
+      LVec bv[kLQ];
+      for (int q = 0; q < kLQ; ++q) bv[q] = lv_load(bj + c0 + q * kLW);
+      for (int i = 0; i < NR; ++i) {
+        const LVec v = lv_set1(xa[i * xa_stride + j]);
+        for (int q = 0; q < kLQ; ++q) c[i][q] = lv_fma(v, bv[q], c[i][q]);
+      }
     }
+    for (int i = 0; i < NR; ++i)
+      for (int q = 0; q < kLQ; ++q) lv_store(acc + i * 64 + c0 + q * kLW, c[i][q]);
   }
-  for (int i = 0; i < NR; ++i)
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + i * 64 + 16 * q, c[i][q]);
 }
 #endif
 
@@ -168,7 +201,7 @@ void lora_loops(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int6
     for (int64_t i0 = s.lo; i0 < s.hi; i0 += 4) {  // four rows at a time, their accumulators in registers
       const int64_t nr = std::min<int64_t>(4, s.hi - i0);
       const float* xs = xa.data() + i0 * xa_width + k.part * r;  // row i0 + i's j-th: xs[i * xa_width + j]
-#if defined(__AVX512F__)
+#ifdef INFERD_LORA_VEC
       static_assert(kLoraColBlock == 64, "lora_expand_block computes 64 columns");
       if (w == kLoraColBlock) {
         switch (nr) {
