@@ -75,8 +75,8 @@ class LlamaForCausalLM(nn.Module):
                 and meta.invariant is None and (step is None or lora.add is getattr(ops, "lora_add", None))):
             # a pure decode step: the whole stack in one call (the same ops, in the same order: the same bits)
             stack = self._decode_stack(input_ids.shape[0])
-            if stack is not None and (step is None or stack[5]):
-                norms, weights, aux, biases, kinds, lora_a, lora_bt, lora_parts = stack
+            norms, weights, aux, biases, kinds, lora_a, lora_bt, lora_parts = stack or (None,) * 8
+            if stack is not None and (step is None or lora_a):  # LoRA rows need the stack's LoRA slots
                 if step is None:
                     lora_args = (None, [], [], None, [], [], [], [])
                 else:
