@@ -17,7 +17,7 @@
 // a segment of more rows goes through at::mm: measured (bench/lora_op.py --slots 1, one thread, bf16, SmolLM2's
 // projections) the loops take 1/4 of at::mm's time at 17 rows, as much at 128-256, 1.1x at 512
 constexpr int64_t kLoraLoopMaxRows = 256;
-constexpr int64_t kLoraColBlock = 64;     // columns of one expand task: its accumulators stay in L1
+constexpr int64_t kLoraColBlock = 64;      // columns of one expand task (lora_expand_block computes 64)
 constexpr int64_t kLoraParallelWork = 65536;  // multiply-adds (a few us) below which one thread does it all
 constexpr int64_t kLoraPrefetch = 1024;   // elements of A ahead of the shrink's loads (the rows follow each other)
 
