@@ -8,7 +8,10 @@
   every implementation (`attention_options`); rope_kv_write takes tables narrower than head_dim (partial rotary)
   in every implementation (`partial_rotary`);
 - decode_layers (CPU): the whole decoder stack of a pure decode step in one call, the same ops in the same order as
-  the Python layers (so the same bits) without their per-call Python overhead;
+  the Python layers (so the same bits) without their per-call Python overhead, LoRA deltas included;
+- lora_add: each row's LoRA delta through its own adapter slot (models/lora.py), a segmented matmul per slot
+  (Punica's SGMV); on CPU hand-written loops for a decode step's few rows per slot (`cpu_lora.h`), at::mm for longer
+  segments;
 - paged_prefill_attention (GPU): the prefill chunks of several sequences in one launch, each attending causally to
   its chunk and to the context cached before it, read in place through the block tables (`prefill_varlen`), with
   the same attention options.
@@ -58,7 +61,8 @@ def fused_cpu() -> types.SimpleNamespace | None:
     return types.SimpleNamespace(name="fused-cpu", add_rms_norm=ops.add_rms_norm, rope_kv_write=ops.rope_kv_write,
                                  silu_mul=ops.silu_mul, paged_decode_attention=ops.paged_decode_attention,
                                  decode_in_place=True, paged_prefill_attention=None, prefill_varlen=False,
-                                 decode_layers=ops.decode_layers, attention_options=True, partial_rotary=True)
+                                 decode_layers=ops.decode_layers, attention_options=True, partial_rotary=True,
+                                 lora_add=ops.lora_add)
 
 
 # decode_in_place: paged_decode_attention reads block tables in place (the runner builds tables, not gather groups);
@@ -68,7 +72,7 @@ REFERENCE = types.SimpleNamespace(name="reference", add_rms_norm=reference.add_r
                                   rope_kv_write=reference.rope_kv_write, silu_mul=reference.silu_mul,
                                   paged_decode_attention=reference.paged_decode_attention, decode_in_place=False,
                                   paged_prefill_attention=None, prefill_varlen=False, decode_layers=None,
-                                  attention_options=True, partial_rotary=True)
+                                  attention_options=True, partial_rotary=True, lora_add=reference.lora_add)
 
 
 def triton_ops() -> types.SimpleNamespace | None:

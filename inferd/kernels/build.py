@@ -29,6 +29,7 @@ import torch
 log = logging.getLogger("inferd.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HEADERS = ("cpu_lora.h",)  # included by SOURCE: part of the build key
 LIB_NAME = "inferd_cpu_ops"
 BUILD_TIMEOUT_S = 600  # a cold compile takes ~30-60 s on 2 cores
 DISABLE_ENV = "INFERD_KERNELS"  # "reference": never load the fused library (tests of the references, debugging)
@@ -61,7 +62,8 @@ def _compiler() -> str | None:
 
 def build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode(), _cpu_flags().encode(),
+    headers = [SOURCE.with_name(name).read_bytes() for name in HEADERS]
+    for part in (SOURCE.read_bytes(), *headers, torch.__version__.encode(), compiler.encode(), _cpu_flags().encode(),
                  sys.version.encode(), " ".join(_command(compiler, Path("out"))).encode()):
         h.update(part)
         h.update(b"\0")

@@ -562,6 +562,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- LoRA deltas per adapter slot (lora_add) ----------------------------------------------------------------------
+#include "cpu_lora.h"
+
 // ---- the decoder stack of a pure decode step, in one call -----------------------------------------------------
 // The same operations as the Python layers (inferd/models/llama.py: DecoderLayer.forward over the fused ops above,
 // in the same order, so the same bits), looped here instead of in Python: a decode step of a small model at batch 1
@@ -569,6 +572,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // arithmetic. Each layer's four matmuls are given as (kind, weight, aux, bias): kind 0 oneDNN's packed Linear
 // (mkldnn::_linear_pointwise), 1 torch's int4 kernel (weight = the int4pack, aux = scales and zeros, group 32),
 // 2 a plain at::linear. Norm weights: two per layer, then the final norm. Returns the final norm's output.
+// LoRA (lora_a non-empty: one a and one bt per linear, in the weights' order): after each matmul, its rows' adapter
+// deltas by lora_apply, as Linear.forward adds them; lora_parts gives each of a layer's four linears its part count,
+// then the part sizes (e.g. [3, q, kv, kv, 1, h, 2, i, i, 1, h]).
 
 enum LinearKind : int64_t { kMkldnn = 0, kInt4 = 1, kDense = 2 };
 
@@ -602,18 +608,40 @@ at::Tensor decode_layers(at::Tensor residual, const at::Tensor& positions, const
                          const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
                          at::TensorList norms, double eps, at::TensorList weights, at::TensorList aux,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef kinds, int64_t num_heads,
-                         int64_t num_kv_heads, double scale) {
+                         int64_t num_kv_heads, double scale, const c10::optional<at::Tensor>& lora_perm,
+                         at::IntArrayRef lora_seg_slots, at::IntArrayRef lora_seg_starts,
+                         const c10::optional<at::Tensor>& lora_row_slots, at::TensorList lora_a, at::TensorList lora_bt,
+                         at::IntArrayRef lora_ranks, at::IntArrayRef lora_parts) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L + 1 &&
                   static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(aux.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(kinds.size()) == 4 * L,
               "decode_layers: per layer two caches, two norms, four linears (and a final norm)");
+  (void)lora_row_slots;  // the per-row form of the segments, for a per-row (GPU) kernel
+  const bool lora = !lora_a.empty();
+  at::IntArrayRef parts[4];
+  if (lora) {
+    TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == 4 * L && static_cast<int64_t>(lora_bt.size()) == 4 * L &&
+                    lora_perm.has_value(),
+                "decode_layers: LoRA takes the step's perm and one a and one bt per linear");
+    size_t at = 0;
+    for (int j = 0; j < 4; ++j) {
+      TORCH_CHECK(at < lora_parts.size() && lora_parts[at] > 0 && at + 1 + lora_parts[at] <= lora_parts.size(),
+                  "decode_layers: lora_parts must hold four (count, sizes...) groups");
+      parts[j] = lora_parts.slice(at + 1, lora_parts[at]);
+      at += 1 + lora_parts[at];
+    }
+    TORCH_CHECK(at == lora_parts.size(), "decode_layers: lora_parts must hold four (count, sizes...) groups");
+  }
   const int64_t T = residual.size(0), D = k_caches[0].size(3), q_size = num_heads * D;
   c10::optional<at::Tensor> x;
   for (int64_t l = 0; l < L; ++l) {
     auto lin = [&](int64_t j, const at::Tensor& in) {
       const int64_t i = 4 * l + j;
-      return stack_linear(kinds[i], in, weights[i], aux[i], biases.get(i));
+      at::Tensor y = stack_linear(kinds[i], in, weights[i], aux[i], biases.get(i));
+      if (lora)
+        lora_apply(y, in, *lora_perm, lora_seg_slots, lora_seg_starts, lora_a[i], lora_bt[i], lora_ranks, parts[j]);
+      return y;
     };
     at::Tensor h = add_rms_norm(x, residual, norms[2 * l], eps);
     at::Tensor qkv = lin(0, h);
@@ -693,7 +721,11 @@ TORCH_LIBRARY(inferd, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] norms, "
         "float eps, Tensor[] weights, Tensor[] aux, Tensor?[] biases, int[] kinds, int num_heads, "
-        "int num_kv_heads, float scale) -> Tensor");
+        "int num_kv_heads, float scale, Tensor? lora_perm, int[] lora_seg_slots, int[] lora_seg_starts, "
+        "Tensor? lora_row_slots, Tensor[] lora_a, Tensor[] lora_bt, int[] lora_ranks, "
+        "int[] lora_parts) -> Tensor");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor perm, int[] seg_slots, int[] seg_starts, Tensor row_slots, "
+        "Tensor a, Tensor bt, int[] ranks, int[] parts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(inferd, CPU, m) {
@@ -703,6 +735,7 @@ TORCH_LIBRARY_IMPL(inferd, CPU, m) {
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("decode_layers", &decode_layers);
+  m.impl("lora_add", &lora_add);
 }
 
 // decode_layers' weights include oneDNN's packed ones, whose dispatch key is MkldnnCPU

@@ -29,6 +29,16 @@ def register() -> bool:
     def _(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sinks=None, softcap=0.0):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("inferd::lora_add")
+    def _(y, x, perm, seg_slots, seg_starts, row_slots, a, bt, ranks, parts):
+        return None
+
+    @torch.library.register_fake("inferd::decode_layers")
+    def _(residual, positions, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, norms, eps,
+          weights, aux, biases, kinds, num_heads, num_kv_heads, scale, lora_perm, lora_seg_slots, lora_seg_starts,
+          lora_row_slots, lora_a, lora_bt, lora_ranks, lora_parts):
+        return torch.empty_like(residual)
+
     @torch.library.register_fake("inferd::apply_token_bitmask")
     def _(logits, bitmask, rows):
         return None

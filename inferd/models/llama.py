@@ -69,17 +69,24 @@ class LlamaForCausalLM(nn.Module):
         ops, rotary = self.ops, self.rotary
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, added to in place
         lora = getattr(self, "lora_state", None)
+        step = lora.step if lora is not None else None
+        # LoRA rows: decode_layers adds their deltas by the fused lora_add, so only where the state's operator is it
         if (getattr(ops, "decode_layers", None) is not None and meta.decode_tables is not None and not meta.prefills
-                and meta.invariant is None and (lora is None or lora.step is None)):
+                and meta.invariant is None and (step is None or lora.add is getattr(ops, "lora_add", None))):
             # a pure decode step: the whole stack in one call (the same ops, in the same order: the same bits)
             stack = self._decode_stack(input_ids.shape[0])
-            if stack is not None:
-                norms, weights, aux, biases, kinds = stack
+            norms, weights, aux, biases, kinds, lora_a, lora_bt, lora_parts = stack or (None,) * 8
+            if stack is not None and (step is None or lora_a):  # LoRA rows need the stack's LoRA slots
+                if step is None:
+                    lora_args = (None, [], [], None, [], [], [], [])
+                else:
+                    lora_args = (step.perm, step.seg_slots, step.seg_starts, step.row_slots, lora_a, lora_bt,
+                                 step.ranks, lora_parts)
                 attn = self.layers[0].self_attn
                 return ops.decode_layers(residual, positions, rotary.cos, rotary.sin, meta.slot_mapping,
                                          meta.decode_tables, meta.decode_lens, [k for k, _ in kv_caches],
                                          [v for _, v in kv_caches], norms, self.norm.eps, weights, aux, biases,
-                                         kinds, attn.n_heads, attn.n_kv, attn.scale)
+                                         kinds, attn.n_heads, attn.n_kv, attn.scale, *lora_args)
         x = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, residual, positions, meta, k_cache, v_cache, ops, rotary)
@@ -87,15 +94,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, rows: int) -> tuple | None:
         """decode_layers' lists for a step of `rows` rows (norm weights, then per layer four (kind, weight, aux,
-        bias) matmuls), built once per regime (the int4 kernel's few rows, or more) and kept; None where a layer
-        has something decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles,
-        different norm epsilons, attention options, an MoE block: it has no gate_up_proj)."""
+        bias) matmuls; then their LoRA slots: a and bt per matmul and the part sizes, empty without LoRA), built
+        once per regime (the int4 kernel's few rows, or more) and kept; None where a layer has something
+        decode_layers does not run (int8 weights, tensor-parallel shards, batch-invariant tiles, different norm
+        epsilons, attention options, an MoE block: it has no gate_up_proj; LoRA on some matmuls and not others)."""
         key = rows <= INT4_MAX_ROWS  # Int4Linear multiplies its int4 weights up to there, its dense copy past it
         cache = self.__dict__.setdefault("_decode_stacks", {})
         if key in cache:
             return cache[key]
         stack = None
         norms, weights, aux, biases, kinds = [], [], [], [], []
+        targets = []  # each matmul's LoraTarget (or None)
         ok = True
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -114,11 +123,21 @@ class LlamaForCausalLM(nn.Module):
                 weights.append(weight)
                 aux.append(extra)
                 biases.append(bias)
+                targets.append(linear.lora)
             if not ok:
                 break
+        lora_a, lora_bt, lora_parts = [], [], []
+        if ok and any(t is not None for t in targets):
+            ok = all(t is not None for t in targets)
+            for t in targets if ok else ():
+                lora_a.append(t.a)
+                lora_bt.append(t.bt)
+            ok = ok and all(t.parts == targets[i % 4].parts for i, t in enumerate(targets))  # one set of parts
+            for t in targets[:4] if ok else ():
+                lora_parts += [len(t.parts), *t.parts]
         if ok:
             norms.append(self.norm.weight)
-            stack = (norms, weights, aux, biases, kinds)
+            stack = (norms, weights, aux, biases, kinds, lora_a, lora_bt, lora_parts)
         cache[key] = stack
         return stack
 
