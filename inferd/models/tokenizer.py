@@ -85,13 +85,25 @@ def auto_tokenizer():
     return AutoTokenizer
 
 
+def _from_folder(folder: str) -> Any:
+    """AutoTokenizer.from_pretrained(folder), through the class it picked last time when the folder is unchanged
+    (tokenizer_class.py: the AutoTokenizer import costs the API process a torch import at every start)."""
+    from .tokenizer_class import remember_class, remembered_class
+
+    with _LAZY_IMPORT:  # importing the class's module resolves transformers' lazy names too
+        cls = remembered_class(cache_dir(), folder)
+    if cls is not None:
+        return cls.from_pretrained(folder)
+    hf = auto_tokenizer().from_pretrained(folder)
+    remember_class(cache_dir(), folder, hf)
+    return hf
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load the tokenizer of a HF model folder or of a .gguf file (converted once, then cached)."""
-    AutoTokenizer = auto_tokenizer()
-
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
-        hf = AutoTokenizer.from_pretrained(path)
+        hf = _from_folder(path)
         config_eos: list[int] = []
         config_file = os.path.join(path, "config.json")
         if os.path.isfile(config_file):
@@ -112,13 +124,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         try:
             with open(cached / _META_FILE, encoding="utf-8") as f:
                 meta = json.load(f)
-            hf = AutoTokenizer.from_pretrained(str(cached))
+            hf = _from_folder(str(cached))
             return Tokenizer(hf, eos_token_ids=meta["eos_token_ids"], name_or_path=path)
         except Exception:  # a damaged cache entry: convert again and replace it
             logger.warning("ignoring unreadable tokenizer cache %s", cached, exc_info=True)
             damaged = True
 
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    hf = auto_tokenizer().from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     from .loader import read_gguf_metadata  # here: the loader imports torch, the API process need not
 
     fields = read_gguf_metadata(path).fields

@@ -9,21 +9,27 @@ from cluster_util import CLUSTER_ARGS
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_dir):
-    """Starts servers for a module: cluster(*args, env=None, name=) -> Server; all killed at the module's end."""
-    from servers import kill_group, start_server
+    """Starts servers for a module: cluster(*args, env=None, name=) -> Server; all killed at the module's end.
+    cluster.begin(same arguments) -> Starting: the process starts now, .ready() waits for it (two servers a test
+    needs start side by side)."""
+    from servers import begin_server, kill_group
 
     started = []
 
-    def start(*args: str, env: dict | None = None, name: str = "cluster", command: str = "serve", echo=False):
+    def begin(*args: str, env: dict | None = None, name: str = "cluster", command: str = "serve", echo=False):
         log = tmp_path_factory.mktemp(name) / "serve.log"
         extra = [*(CLUSTER_ARGS if command == "serve" else ()), *(["--echo"] if echo else []), *args]
-        server = start_server(tiny_llama_dir, log, *extra, model_name="tiny", env=env, command=command)
-        started.append(server)
-        return server
+        starting = begin_server(tiny_llama_dir, log, *extra, model_name="tiny", env=env, command=command)
+        started.append(starting.proc)
+        return starting
 
+    def start(*args: str, **kwargs):
+        return begin(*args, **kwargs).ready()
+
+    start.begin = begin
     yield start
-    for server in started:
-        kill_group(server.proc)
+    for proc in started:
+        kill_group(proc)
 
 
 @pytest.fixture(scope="session")

@@ -69,11 +69,11 @@ def test_hung_worker_is_given_up_and_its_late_tokens_are_dropped(cluster, refere
     """Remote workers (inferd worker --listen + inferd gateway): nobody can kill a hung remote worker, so after
     SIGCONT it speaks again on the same connection, and what it sends for the given-up dispatches (old epochs)
     must be dropped."""
-    from remote_workers import start_worker
+    from remote_workers import start_workers
 
     from servers import kill_group
 
-    workers = [start_worker(tmp_path, tiny_llama_dir, f"w{i}", "--model-version", "v1") for i in range(2)]
+    workers = start_workers(tmp_path, tiny_llama_dir, ["w0", "w1"], "--model-version", "v1")
     try:
         gateway = cluster(*[a for w in workers for a in ("--worker", w.address)], "--heartbeat-timeout", "1.0",
                           command="gateway", name="hang-gateway")
@@ -171,10 +171,12 @@ def test_in_bf16_with_batch_invariance_a_replay_is_exact(cluster):
     bf16 = ("--dtype", "bfloat16", "--batch-invariant", "--threads", "1")
     prompts = random_prompts(4, (20, 90), seed=17)
     requests = bodies(prompts)
-    reference = cluster("--workers", "1", *bf16, name="bf16-reference")
-    ref = asyncio.run(run_all(reference.url, requests))
-    server = cluster("--workers", "2", *bf16, "--max-num-batched-tokens", "64", "--heartbeat-timeout", "1.0",
-                     env={"INFERD_FAULT": "action=crash,phase=decode,step=6,worker=worker-0"}, name="bf16-crash")
+    # both servers start side by side (each start is seconds); the reference serves before the other is up
+    reference = cluster.begin("--workers", "1", *bf16, name="bf16-reference")
+    server = cluster.begin("--workers", "2", *bf16, "--max-num-batched-tokens", "64", "--heartbeat-timeout", "1.0",
+                           env={"INFERD_FAULT": "action=crash,phase=decode,step=6,worker=worker-0"}, name="bf16-crash")
+    ref = asyncio.run(run_all(reference.ready().url, requests))
+    server = server.ready()
     ours = asyncio.run(run_all(server.url, requests))
     assert server.metrics().get('inferd_replays_total{reason="worker_lost"}', 0) >= 1, "the fault never hit"
     for i, (a, b) in enumerate(zip(ours, ref)):

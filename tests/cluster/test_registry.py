@@ -30,10 +30,12 @@ def test_gateway_finds_registered_workers(cluster, redis_url, tiny_llama_dir, tm
     db = redis_url.rsplit("/", 1)[0] + "/5"  # a database of its own: no other test's keys
     redis.Redis.from_url(db).flushdb()
     # echo workers (no weights: they start in a fraction of the time); discovery is what is tested here
+    gateway = cluster.begin("--redis", db, command="gateway", name="registry-gateway")  # side by side with reg-a
     first = start_worker(tmp_path, tiny_llama_dir, "reg-a", "--register", db, "--heartbeat-interval", "0.1", "--echo")
     workers = [first]
     try:
-        gateway = cluster("--redis", db, command="gateway", name="registry-gateway")
+        gateway = gateway.ready()
+        wait_for(lambda: versions(gateway) == {"v1": 1})  # found in Redis
         r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "reg-a"
@@ -163,6 +165,8 @@ def test_registrations_outside_worker_allow_are_never_connected_to(cluster, redi
     connected to; the one at 127.0.0.1 serves. Whoever can write to Redis cannot point a gateway at any host."""
     db = redis_url.rsplit("/", 1)[0] + "/4"
     redis.Redis.from_url(db).flushdb()
+    # the gateway starts side by side with the workers (it finds them in Redis)
+    gateway = cluster.begin("--redis", db, "--worker-allow", "127.0.0.1/32", command="gateway", name="allow-gateway")
     with ThreadPoolExecutor(2) as pool:
         starting = [pool.submit(start_worker, tmp_path, tiny_llama_dir, "inside", "--register", db, "--echo"),
                     pool.submit(start_worker, tmp_path, tiny_llama_dir, "outside", "--listen", "127.0.0.3:0",
@@ -172,9 +176,10 @@ def test_registrations_outside_worker_allow_are_never_connected_to(cluster, redi
         assert len(workers) == 2, [f.exception() for f in starting]
         inside, outside = workers
         assert outside.address.startswith("127.0.0.3:")
-        gateway = cluster("--redis", db, "--worker-allow", "127.0.0.1/32", command="gateway", name="allow-gateway")
+        gateway = gateway.ready()
         wait_for(lambda: f"not connecting to the registered worker at {outside.address}: 127.0.0.3 is outside "
                  "--worker-allow" in gateway.log())
+        wait_for(lambda: versions(gateway) == {"v1": 1})  # inside, found in Redis
         r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "inside"
@@ -216,8 +221,10 @@ def test_a_redis_with_a_password_gets_it_from_the_environment(cluster, tiny_llam
     try:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(url).ping()  # nothing gets in without it
+        gateway = cluster.begin("--redis", url, env=env, command="gateway", name="pw-gateway")  # beside the worker
         worker = start_worker(tmp_path, tiny_llama_dir, "pw-worker", "--register", url, "--echo", env=env)
-        gateway = cluster("--redis", url, env=env, command="gateway", name="pw-gateway")
+        gateway = gateway.ready()
+        wait_for(lambda: versions(gateway) == {"v1": 1})  # found in Redis
         r = httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200 and r.headers["x-inferd-worker"] == "pw-worker"

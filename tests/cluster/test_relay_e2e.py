@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 from cluster_util import random_prompts, wait_for
-from remote_workers import start_worker
+from remote_workers import start_workers
 
 from relay import TO_CLIENT, TO_WORKER, Frame, Relay, flip_a_bit
 from servers import kill_group
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_tampered_stream_is_replayed_elsewhere_never_delivered(cluster, tiny_llama_dir, tmp_path):
-    workers = [start_worker(tmp_path, tiny_llama_dir, name, "--echo") for name in ("relayed", "direct")]
+    workers = start_workers(tmp_path, tiny_llama_dir, ["relayed", "direct"], "--echo")
     tampered: list[int] = []
 
     def tamper(frame: Frame) -> bytes:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 from cluster_util import wait_for
-from remote_workers import start_worker
+from remote_workers import start_workers
 
 from inferd.gateway.tenants import create_key
 from servers import kill_group, sse_data
@@ -40,12 +40,14 @@ def test_two_gateways_share_two_workers(cluster, redis_url, tiny_llama_dir, tmp_
     keys = {"t": create_key(str(tmp_path / "keys.json"), "t", tpm=TPM)[0],
             "free": create_key(str(tmp_path / "keys.json"), "free")[0]}
     slow = {"INFERD_FAULT": "action=slow,ms=10,times=0"}  # streams overlap
-    workers = [start_worker(tmp_path, tiny_llama_dir, name, "--echo", "--register", db, "--heartbeat-interval", "0.1",
-                            "--worker-secret", SECRET, env=slow) for name in ("w-a", "w-b")]
+    # the gateways and the workers all start side by side (the gateways find the workers in Redis, below)
+    gateways = [cluster.begin("--redis", db, "--worker-secret", SECRET, "--keys", str(tmp_path / "keys.json"),
+                              "--rate-window", str(WINDOW), "--heartbeat-interval", "0.1", command="gateway",
+                              name=f"gateway-{i}") for i in range(2)]
+    workers = start_workers(tmp_path, tiny_llama_dir, ["w-a", "w-b"], "--echo", "--register", db,
+                            "--heartbeat-interval", "0.1", "--worker-secret", SECRET, env=slow)
     try:
-        gateways = [cluster("--redis", db, "--worker-secret", SECRET, "--keys", str(tmp_path / "keys.json"),
-                            "--rate-window", str(WINDOW), "--heartbeat-interval", "0.1", command="gateway",
-                            name=f"gateway-{i}") for i in range(2)]
+        gateways = [g.ready() for g in gateways]
         def versions(g) -> dict:  # /v1/models needs a key here
             r = httpx.get(g.url + "/v1/models", headers=bearer(keys["free"]), timeout=10)
             return r.json()["data"][0]["versions"]

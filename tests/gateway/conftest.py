@@ -9,21 +9,26 @@ import pytest
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, tiny_llama_dir):
     """Starts servers for a module: serve(*args, echo=True, env=None) -> Server; all killed at the module's end.
-    env: added to the server's environment (INFERD_FAULT reaches its workers)."""
-    from servers import kill_group, start_server
+    env: added to the server's environment (INFERD_FAULT reaches its workers). serve.begin(same arguments) ->
+    Starting: the process starts now, .ready() waits for it (servers a test needs start side by side)."""
+    from servers import begin_server, kill_group
 
     started = []
 
-    def start(*args: str, echo: bool = True, name: str = "gw", env: dict[str, str] | None = None):
+    def begin(*args: str, echo: bool = True, name: str = "gw", env: dict[str, str] | None = None):
         log = tmp_path_factory.mktemp(name) / "serve.log"
         extra = ["--max-model-len", "256", "--heartbeat-interval", "0.1", *(["--echo"] if echo else []), *args]
-        server = start_server(tiny_llama_dir, log, *extra, model_name="tiny", env=env)
-        started.append(server)
-        return server
+        starting = begin_server(tiny_llama_dir, log, *extra, model_name="tiny", env=env)
+        started.append(starting.proc)
+        return starting
 
+    def start(*args: str, **kwargs):
+        return begin(*args, **kwargs).ready()
+
+    start.begin = begin
     yield start
-    for server in started:
-        kill_group(server.proc)
+    for proc in started:
+        kill_group(proc)
 
 
 @pytest.fixture

@@ -80,7 +80,8 @@ def keys_file(tmp_path_factory):
 def test_two_servers_sharing_redis_enforce_one_limit(serve, keys_file, redis_url):
     path, keys = keys_file
     args = ("--keys", str(path), "--redis", redis_url, "--rate-window", str(WINDOW), "--max-num-seqs", "64")
-    first, second = serve(*args, name="redis-a"), serve(*args, name="redis-b")
+    first, second = serve.begin(*args, name="redis-a"), serve.begin(*args, name="redis-b")  # side by side
+    first, second = first.ready(), second.ready()
     admitted, statuses, elapsed = asyncio.run(hammer([first.url, second.url], keys, seconds=5.0))
     check_bounds(admitted, statuses, elapsed)
     # both servers admitted work: the limit was shared, not enforced by one of them alone

@@ -194,6 +194,54 @@ def test_cache_key_follows_file_identity(tmp_path):
     assert len({k1, k2, k3}) == 3
 
 
+def test_a_folder_loaded_before_loads_without_importing_torch(tmp_path, monkeypatch, tiny_llama_dir):
+    """The API process never runs the model: once AutoTokenizer's pick for a folder is remembered, loading that
+    folder's tokenizer in a fresh process imports no torch (AutoTokenizer's import does: ~2 s of CPU at every server
+    start), and gives the same tokenizer."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    text = "Héllo <|im_start|> 12345"
+    first = load_tokenizer(tiny_llama_dir)  # here, through AutoTokenizer: its pick is written down
+    code = ("import sys; from inferd.models.tokenizer import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+            "print('torch' in sys.modules, type(t.hf).__name__, t.eos_token_ids, t.encode(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_llama_dir), text], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "INFERD_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(" ", 2) == ["False", type(first.hf).__name__,
+                                        f"{first.eos_token_ids} {first.encode(text)}\n"]
+
+
+def test_the_remembered_tokenizer_class_follows_the_folder(tmp_path, tiny_llama_dir):
+    """Any change to a file of the folder (or another folder) goes through AutoTokenizer again; an entry naming
+    anything but a transformers class is ignored."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from inferd.models.tokenizer_class import _entry, remember_class, remembered_class
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, folder / name)
+    root = tmp_path / "cache"
+    assert remembered_class(root, str(folder)) is None
+    hf = AutoTokenizer.from_pretrained(folder)
+    remember_class(root, str(folder), hf)
+    assert remembered_class(root, str(folder)) is type(hf)
+    assert [p.name for p in (root / "tokenizer-classes").iterdir()] == [_entry(root, str(folder)).name]  # no temp
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    assert remembered_class(root, str(folder)) is None  # changed: AutoTokenizer decides again
+    remember_class(root, str(folder), hf)
+    assert remembered_class(root, str(folder)) is type(hf)
+    _entry(root, str(folder)).write_text(json.dumps({"module": "os", "name": "system"}))
+    assert remembered_class(root, str(folder)) is None
+
+
 def test_write_cache_is_atomic_and_keeps_a_finished_entry(tmp_path):
     class FakeHF:
         def __init__(self, tag):

@@ -700,13 +700,17 @@ def test_a_worker_hello_is_validated_field_by_field():
 def test_a_worker_listening_beyond_loopback_needs_a_secret(tiny_llama_dir, tmp_path):
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     base = [sys.executable, "-m", "inferd", "worker", "--echo", "--model", str(tiny_llama_dir)]
-    out = subprocess.run([*base, "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "INFERD_WORKER_SECRET"})
-    assert out.returncode == 2 and "without a worker secret" in out.stderr
     empty = tmp_path / "secret"
     empty.write_text("\n")
-    out = subprocess.run([*base, "--listen", "0.0.0.0:0", "--worker-secret-file", str(empty)], capture_output=True,
-                         text=True, timeout=120)
+    with ThreadPoolExecutor(2) as pool:  # side by side: each run is a second of imports on one core
+        no_secret = pool.submit(subprocess.run, [*base, "--listen", "0.0.0.0:0"], capture_output=True, text=True,
+                                timeout=120, env={k: v for k, v in os.environ.items() if k != "INFERD_WORKER_SECRET"})
+        empty_secret = pool.submit(subprocess.run, [*base, "--listen", "0.0.0.0:0", "--worker-secret-file", str(empty)],
+                                   capture_output=True, text=True, timeout=120)
+    out = no_secret.result()
+    assert out.returncode == 2 and "without a worker secret" in out.stderr
+    out = empty_secret.result()
     assert out.returncode == 2 and "is empty" in out.stderr
