@@ -342,6 +342,26 @@ def run_staggered(engine, prompts: list[list[int]], params, every: int = 2, on_s
     return [reqs[i] for i in range(len(prompts))], trace
 
 
+def decode_step_inputs(engine, prompts: list[list[int]], max_tokens: int = 64):
+    """The model inputs (ids, positions, attention metadata) of the engine's next step once every prompt is decoding
+    (that step still runs): what a test hands to the model's two decode paths."""
+    from inferd.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
+        engine.step()
+    runner, seen = engine.runner, {}
+    prepare = runner.prepare
+    runner.prepare = lambda rows: seen.setdefault("args", prepare(rows))
+    engine.step()
+    runner.prepare = prepare
+    ids, positions, meta, _ = seen["args"]
+    assert meta.decode_tables is not None and not meta.prefills
+    return ids, positions, meta
+
+
 def _summarise(path: str) -> None:
     """The largest relative difference per bound and per test file, and how close each came to its bound."""
     rows = [json.loads(line) for line in open(path)]

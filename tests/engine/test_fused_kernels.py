@@ -13,7 +13,7 @@ from inferd.config import EngineConfig
 from inferd.engine import Engine, SamplingParams
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.models.build import load_model
-from parity import assert_same_rows, bound_for, run_staggered
+from parity import assert_same_rows, bound_for, decode_step_inputs, run_staggered
 
 PROMPT_LENS = [3, 17, 47, 90, 130, 9]
 MAX_NEW = 20
@@ -77,28 +77,11 @@ def test_default_model_bf16_fused_as_reference(smollm2_bf16):
     assert_same_greedy(fused, ref, torch.bfloat16, "SmolLM2 bf16")
 
 
-def _decode_step_inputs(engine, prompts):
-    """The model inputs of the engine's next step once every prompt is decoding (that step still runs)."""
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
-        engine.step()
-    runner, seen = engine.runner, {}
-    prepare = runner.prepare
-    runner.prepare = lambda rows: seen.setdefault("args", prepare(rows))
-    engine.step()
-    runner.prepare = prepare
-    ids, positions, meta, _ = seen["args"]
-    assert meta.decode_tables is not None and not meta.prefills
-    return ids, positions, meta
-
-
 def _stack_against_layers(model, engine, prompts):
     """decode_layers (one call) against the Python layers over the same fused ops: hidden states and KV writes."""
     import types
 
-    ids, positions, meta = _decode_step_inputs(engine, prompts)
+    ids, positions, meta = decode_step_inputs(engine, prompts)
     runner, ops = engine.runner, model.ops
     python_layers = types.SimpleNamespace(**vars(ops))
     python_layers.decode_layers = None

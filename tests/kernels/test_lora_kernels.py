@@ -12,11 +12,12 @@ import torch
 
 from inferd import kernels
 from inferd.config import EngineConfig
-from inferd.engine import Engine, SamplingParams
+from inferd.engine import Engine
 from inferd.engine.runner import kv_bytes_per_block
 from inferd.kernels import build, reference
 from inferd.models.build import load_model
 from inferd.models.lora import LoraState, LoraTarget, attach, projections
+from parity import decode_step_inputs
 
 DTYPES = [torch.float32, torch.bfloat16]
 # fp32: the same sums in another order; bf16: each rounding of the reference's (xa, the delta, y + delta) may land
@@ -110,23 +111,6 @@ def test_lora_add_refuses_bad_arguments(fused):
                                                       [32, 32]), test_utils=("test_schema", "test_faketensor"))
 
 
-def _decode_step_inputs(engine, prompts):
-    """The model inputs of the engine's next step once every prompt is decoding (that step still runs)."""
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while any(r.num_computed_tokens < len(r.token_ids) - 1 for r in engine.requests.values()):
-        engine.step()
-    runner, seen = engine.runner, {}
-    prepare = runner.prepare
-    runner.prepare = lambda rows: seen.setdefault("args", prepare(rows))
-    engine.step()
-    runner.prepare = prepare
-    ids, positions, meta, _ = seen["args"]
-    assert meta.decode_tables is not None and not meta.prefills
-    return ids, positions, meta
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_decoder_stack_in_one_call_adds_lora_as_the_layers_do(tiny_llama_dir, dtype):
     """A decode step of rows of adapters 0 and 1 (ranks 8 and 4) and the base model: decode_layers (taken: one call)
@@ -145,7 +129,7 @@ def test_the_decoder_stack_in_one_call_adds_lora_as_the_layers_do(tiny_llama_dir
                                          torch.randn(size, rank, generator=g) * 0.3) for p, size in
                                      enumerate(t.parts)}, 2.0)
         state.ranks[slot] = rank
-    ids, positions, meta = _decode_step_inputs(engine, [[5 + i, 9, 13 + 2 * i] for i in range(4)])
+    ids, positions, meta = decode_step_inputs(engine, [[5 + i, 9, 13 + 2 * i] for i in range(4)], max_tokens=16)
     calls = []
     one_call = types.SimpleNamespace(**vars(ops))
     one_call.decode_layers = lambda *a: calls.append(1) or ops.decode_layers(*a)
