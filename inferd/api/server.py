@@ -268,6 +268,7 @@ class _EmbeddingBackend:
         from ..gateway.router import Router
 
         self.spec = spec
+        self.order = [s.name for s in opts.embedding_models]  # as given: the first is the default model
         self.router = Router()
         self.gateway = Gateway(self.router, limiter, GatewayOptions(
             opts.max_queue_requests, opts.max_queue_tokens, opts.queue_timeout, opts.fairness,
@@ -297,8 +298,10 @@ class _EmbeddingBackend:
             await self.pool.add(1)
         else:
             await self.remote.start()
-        state.embeddings[self.spec.name] = EmbeddingModel(self.router, self.gateway, encode, self.spec.name,
-                                                            state.metrics)
+        models = {**state.embeddings, self.spec.name: EmbeddingModel(self.router, self.gateway, encode,
+                                                                     self.spec.name, state.metrics)}
+        # in the order given, whichever model's worker was ready first (the first is what `model` omitted means)
+        state.embeddings = {name: models[name] for name in self.order if name in models}
 
     async def stop(self) -> None:
         self.gateway.close()
