@@ -79,7 +79,6 @@ class LoraManager:
         self.loads = 0  # adapters written into a slot
         self.evictions = 0  # adapters a slot dropped for another
         self.disk_reads = 0  # adapters read from disk into host memory
-        self.requests_by_adapter: dict[str, int] = {}
 
     # ---- host ---------------------------------------------------------------------------------------------------
     def prepare(self, ref: AdapterRef) -> None:
@@ -143,10 +142,6 @@ class LoraManager:
                 out.append((req, f"LoRA adapter {ref.name}: {e}"))
         return out
 
-    def host_count(self) -> int:
-        with self._lock:
-            return len(self._host)
-
     # ---- slots (the step thread) --------------------------------------------------------------------------------
     def acquire(self, req, running) -> bool:
         """The scheduler's admission gate: True when req may run now (its adapter in a slot: req.lora_slot),
@@ -190,13 +185,6 @@ class LoraManager:
                 else:
                     linear.lora.write(slot, r, weights, adapter.spec.scale)
         self.state.ranks[slot] = r
-
-    def forget(self, name: str) -> None:
-        """An unloaded adapter: out of host memory; its slot frees once no request holds it (requests that hold
-        it run to their end)."""
-        with self._lock:
-            for key in [k for k in self._host if k[0] == name]:
-                del self._host[key]
 
     def begin_step(self, requests: list, rows_per_request: list[int]) -> None:
         """Group the step's rows by slot (rows in scheduled order: each request's rows together)."""
