@@ -209,7 +209,10 @@ def _worker_order(w: WorkerClient) -> tuple:
 
 
 def _sum(values: list):
-    """A field summed over workers: numbers add, per-tier lists add element by element."""
+    """A field summed over workers: numbers add, per-tier lists add element by element, lists of names (the LoRA
+    adapters held) join."""
+    if values and isinstance(values[0], list) and any(isinstance(v, str) for vs in values for v in vs):
+        return sorted(set().union(*values))
     if values and isinstance(values[0], list):
         return [sum(column) for column in zip(*values)]
     return sum(values)

@@ -115,7 +115,7 @@ def test_the_router_prefers_the_workers_that_hold_the_adapter(server, lora_setup
     other = ({"worker-0", "worker-1"} - {holder}).pop()
     # the holder's heartbeat lists it; the other worker never read it
     server.wait_metrics(lambda m: m.get(f'inferd_worker_lora_adapters{{worker="{holder}"}}', 0) >= 1)
-    assert server.metrics().get(f'inferd_worker_lora_adapters{{worker="{other}"}}') == 0
+    assert server.metrics().get(f'inferd_worker_lora_adapters{{worker="{other}"}}', 0) == 0
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(headers=bearer(alice), timeout=60) as client:
@@ -202,6 +202,9 @@ def test_load_and_unload_while_streams_run_on_the_adapter(server, lora_setup):
     again = httpx.post(server.url + "/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2},
                        headers=bearer(carol), timeout=30)
     assert again.status_code == 200, again.text
+    # nothing the streams held is left: the gateway's room and the engines' running sequences come back
+    server.wait_metrics(lambda m: m["inferd_gateway_in_flight_sequences"] == 0
+                        and sum(v for k, v in m.items() if k.startswith("inferd_worker_requests_running")) == 0)
 
 
 def test_a_stream_on_an_adapter_survives_its_workers_death(cluster, lora_setup):
