@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,24 +30,38 @@ from .serving import Prepared
 log = logging.getLogger("inferd.api")
 
 
-async def respond(request: Request, prep: Prepared, tenant: Tenant) -> Response:
+@dataclass(frozen=True)
+class Shape:
+    """How one API writes a generation: its whole (non-streaming) body, its event stream (given the events iterator
+    and the first event), the stream's in-band end when the request fails before its first event, and an HTTP error.
+    The OpenAI shape is inferd/api/responses.py's; the Responses and Messages APIs have their own."""
+    complete: Callable[[Generation], Awaitable[dict]]
+    stream: Callable[[Generation, AsyncIterator, object], AsyncIterator[bytes]]
+    stream_error: Callable[[Exception], list[bytes]]
+    error_response: Callable[[APIError], Response]
+
+
+OPENAI = Shape(complete, stream, lambda e: [sse(worker_error(e).body()), SSE_DONE], lambda e: e.response())
+
+
+async def respond(request: Request, prep: Prepared, tenant: Tenant, shape: Shape = OPENAI) -> Response:
     """Admission (quota, queue, overload) in the tier the request asks for, then the generation: a JSON body, or
-    an SSE stream. Refusals before the response starts are HTTP errors; after it, SSE error events."""
+    an SSE stream. Refusals before the response starts are HTTP errors; after it, in-band error events."""
     state = request.app.state.inferd
     tier_rank = requested_tier_rank(request, tenant)
     generation = await state.generation.admit(prep, tenant, tier_rank, requested_timeout(request, tier_rank))
     headers = generation.ticket.decision.headers()
     if prep.stream:
-        return await _start_stream(state, generation, request, headers)
+        return await _start_stream(state, generation, request, headers, shape)
 
     async def run() -> Response:
         await generation.start()
-        body = await complete(generation)
+        body = await shape.complete(generation)
         response = JSONResponse(body, headers={**headers, **_dispatch_headers(generation.ticket)})
         _observe_overhead(state, generation)
         return response
 
-    return _GenerationResponse(run, generation)
+    return _GenerationResponse(run, generation, shape)
 
 
 class _GenerationResponse(Response):
@@ -54,10 +70,11 @@ class _GenerationResponse(Response):
     not its request body. Errors before the response starts are still HTTP errors; a client that disconnects
     aborts the generation."""
 
-    def __init__(self, run, generation: Generation):
+    def __init__(self, run, generation: Generation, shape: Shape):
         super().__init__(status_code=200)
         self.run = run
         self.generation = generation
+        self.shape = shape
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -65,10 +82,10 @@ class _GenerationResponse(Response):
         except ClientGone:  # nobody is left to read a response: do not log it as a server error
             response = Response(status_code=499)
         except APIError as e:
-            response = e.response()
+            response = self.shape.error_response(e)
         except Exception as e:  # QueueTimeout, Overloaded (shed), NoWorkerAvailable, WorkerDead, RequestRejected..
             self.generation.error = e
-            response = worker_error(e).response()
+            response = self.shape.error_response(worker_error(e))
         finally:
             self.generation.close()
         await response(scope, receive, send)
@@ -93,7 +110,8 @@ def _dispatch_headers(ticket) -> dict[str, str]:
     return headers
 
 
-async def _start_stream(state, generation: Generation, request: Request, headers: dict[str, str]) -> Response:
+async def _start_stream(state, generation: Generation, request: Request, headers: dict[str, str],
+                        shape: Shape) -> Response:
     """Waits (up to the keep-alive interval) for a worker and the first event, so that a refusal is still an HTTP
     error; a stream still waiting after that starts with keep-alive comments and ends in band if it fails. From
     here the response body owns the generation (its cleanup closes it)."""
@@ -129,24 +147,25 @@ async def _start_stream(state, generation: Generation, request: Request, headers
         if abort_connection is not None:
             abort_connection()
 
-    return _SSEResponse(_stream_body(state, generation, starting), state.sse_write_timeout, on_write_timeout,
+    return _SSEResponse(_stream_body(generation, starting, state.sse_keepalive_s, shape), state.sse_write_timeout,
+                        on_write_timeout,
                         media_type="text/event-stream", headers=sse_headers)
 
 
-async def _stream_body(state, generation: Generation, starting: asyncio.Future):
+async def _stream_body(generation: Generation, starting: asyncio.Future, keepalive_s: float, shape: Shape):
     try:
         while not starting.done():
-            await asyncio.wait({starting}, timeout=state.sse_keepalive_s)
+            await asyncio.wait({starting}, timeout=keepalive_s)
             if not starting.done():
                 yield b": keep-alive\n\n"
         try:
             events, first = starting.result()
         except Exception as e:  # queue timeout, shed, worker lost, ...: the headers are gone, the error goes in band
             generation.error = e
-            yield sse(worker_error(e).body())
-            yield SSE_DONE
+            for chunk in shape.stream_error(e):
+                yield chunk
             return
-        async for chunk in stream(generation, events, first):
+        async for chunk in shape.stream(generation, events, first):
             yield chunk
     finally:  # synchronous only: on a disconnect this runs in a cancelled scope, where every await raises again
         starting.cancel()
