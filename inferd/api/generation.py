@@ -59,6 +59,8 @@ class ChoiceState:
     reasoning: ReasoningParser | None = None  # splits the reasoning off first (--reasoning-parser)
     reasoning_pieces: list[str] = field(default_factory=list)  # emitted reasoning, for non-streaming responses
     harmony: HarmonyParser | None = None  # gpt-oss's channels: reasoning, content and tool calls in one
+    prompt_logprobs: list | None = None  # the engine's prompt logprobs (the first copy: a replay sends them again)
+    echoed: bool = False  # echo: the prompt has led this choice's text
 
     @property
     def finished(self) -> bool:
@@ -303,10 +305,21 @@ class Generation:
         choice.num_prompt_tokens = out.num_prompt_tokens
         choice.num_output_tokens = out.num_output_tokens
         choice.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = out.prompt_logprobs
+            # a replay of this choice needs them no more: it may take prefix-cache hits (prompt_logprobs.py)
+            self.prep.params[choice.index].prompt_logprobs = None
+        if out.finished and out.finish_reason not in ("stop", "length"):
+            raise WorkerDead(f"the worker ended the request ({out.finish_reason})")
+        if self.prep.echo_only:  # max_tokens 0: the prompt alone; the token the engine sampled is dropped
+            choice.num_output_tokens = 0
+            if out.finished:
+                choice.finish_reason = "length"
+            if choice.finished:
+                self._observe_finish(choice, now)
+            return self._with_echo(choice, "", [])
         delta, matched = choice.text.add(out.new_token_ids, final=out.finished)
         if out.finished:
-            if out.finish_reason not in ("stop", "length"):
-                raise WorkerDead(f"the worker ended the request ({out.finish_reason})")
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
         if matched is not None and not out.finished:
             choice.finish_reason, choice.stop_reason = "stop", matched
@@ -334,6 +347,8 @@ class Generation:
                 choice.finish_reason = "tool_calls"
         if choice.finished:
             self._observe_finish(choice, now)
+        if self.prep.echo:
+            delta, entries, _, _ = self._with_echo(choice, delta, entries, keep=False)
         if not self.prep.stream:  # a stream's text and logprobs are not kept once queued for the client
             choice.logprobs.extend(entries)
             if delta:
@@ -341,6 +356,24 @@ class Generation:
             if reasoning:
                 choice.reasoning_pieces.append(reasoning)
         return delta, entries, calls, reasoning
+
+    def _with_echo(self, choice: ChoiceState, delta: str, entries: list, keep: bool = True
+                   ) -> tuple[str, list, list, str]:
+        """echo: the prompt's text (and its logprob entries, the first without one) lead the choice's first event.
+        keep: the result is kept for a non-streaming response here (the echo-only path)."""
+        if not choice.echoed:
+            choice.echoed = True
+            prompt = self.prep.prompts[self.prep.prompt_of[choice.index]]
+            delta = self.serving.tokenizer.decode(prompt, skip_special_tokens=False) + delta
+            if self.prep.logprobs:  # (the engine sent them with the first output; None where one is missing)
+                given = choice.prompt_logprobs or []
+                entries = [(t, None, None) if p >= len(given) or given[p] is None else
+                           (t, given[p].logprob, given[p].top) for p, t in enumerate(prompt)] + entries
+        if keep and not self.prep.stream:
+            choice.logprobs.extend(entries)
+            if delta:
+                choice.pieces.append(delta)
+        return delta, entries, [], ""
 
     def _observe_finish(self, choice: ChoiceState, now: float) -> None:
         m = self.serving.metrics

@@ -48,8 +48,33 @@ async def complete(generation) -> dict:
         else:
             choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
-    return {"id": prep.id, "object": "chat.completion" if prep.chat else "text_completion", "created": prep.created,
+            if prep.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(generation, c)
+    body = {"id": prep.id, "object": "chat.completion" if prep.chat else "text_completion", "created": prep.created,
             "model": prep.model, "choices": choices, "usage": generation.usage(), "system_fingerprint": None}
+    if prep.chat and prep.prompt_logprobs is not None:  # vLLM's place for them in chat: the response's, once
+        body["prompt_logprobs"] = prompt_logprobs(generation, generation.choices[0])
+    return body
+
+
+def prompt_logprobs(generation, choice) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position, None for the first, else {token id: {logprob, rank,
+    decoded_token}} of the prompt's token and the top-n."""
+    entries = choice.prompt_logprobs
+    if entries is None:
+        return None
+    text = generation.serving.token_text
+    as_ids = generation.prep.tokens_as_ids
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        position = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": text(e.token_id, as_ids)}}
+        for rank, (t, v) in enumerate(e.top, 1):
+            position.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text(t, as_ids)})
+        out.append(position)
+    return out
 
 
 async def first_event(generation):
@@ -68,6 +93,8 @@ async def stream(generation, events, first) -> AsyncIterator[bytes]:
     if prep.include_usage:
         head["usage"] = None
     offsets = [0] * len(generation.choices)  # text_offset of completion logprobs
+    # vLLM's prompt_logprobs, when asked for: in each choice's first chunk (chat: the stream's first content chunk)
+    prompt_pending = [prep.prompt_logprobs is not None] * (1 if prep.chat else len(generation.choices))
     try:
         if prep.chat:
             for c in generation.choices:
@@ -76,16 +103,25 @@ async def stream(generation, events, first) -> AsyncIterator[bytes]:
         event = first
         while event is not None:
             choice, delta, entries, out, finished, calls, reasoning = event
-            if delta or entries or calls or reasoning:
+            slot = 0 if prep.chat else choice.index
+            pending = prompt_pending[slot] and choice.prompt_logprobs is not None
+            if delta or entries or calls or reasoning or pending:
                 logprobs = _logprobs(generation, choice, entries, offsets[choice.index]) if prep.logprobs else None
                 if logprobs and not prep.chat:
                     offsets[choice.index] += sum(len(t) for t in logprobs["tokens"])
                 chunk = _chunk_choice(prep.chat, choice.index, delta, logprobs, None)
+                extra = {}
+                if pending:
+                    prompt_pending[slot] = False
+                    if prep.chat:
+                        extra["prompt_logprobs"] = prompt_logprobs(generation, choice)
+                    else:
+                        chunk["prompt_logprobs"] = prompt_logprobs(generation, choice)
                 if reasoning:  # before the content in the delta, as it came first
                     chunk["delta"] = {"reasoning_content": reasoning, **chunk["delta"]}
                 if calls:
                     chunk["delta"]["tool_calls"] = _tool_call_deltas(calls)
-                yield sse({**head, "choices": [chunk]})
+                yield sse({**head, "choices": [chunk], **extra})
                 write_overhead.observe(time.perf_counter() - out.received_at)
             if finished:
                 yield sse({**head, "choices": [_chunk_choice(prep.chat, choice.index, "", None, choice)]})
@@ -140,6 +176,8 @@ def _logprobs(generation, choice, entries: list, offset: int) -> dict:
         tokens.append(text(t, as_ids))
         offsets.append(offset)
         offset += len(tokens[-1])
+    # (an echoed prompt's first token has neither a logprob nor a top: None, as OpenAI's)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{text(i, as_ids): v for i, v in top} for _, _, top in entries], "text_offset": offsets}
+            "top_logprobs": [None if top is None else {text(i, as_ids): v for i, v in top} for _, _, top in entries],
+            "text_offset": offsets}
 

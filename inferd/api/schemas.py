@@ -101,6 +101,8 @@ class _SamplingFields(_Strict):
         None, description="vLLM extension")
     return_tokens_as_token_ids: StrictBool | None = Field(
         False, description="vLLM extension: logprobs name tokens 'token_id:N'")
+    prompt_logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: every prompt token's logprob and the top-N")
 
     def _unsupported_common(self) -> list[str]:
         return []
@@ -111,15 +113,15 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)])
+    max_tokens: StrictInt | None = Field(None, ge=0, description="omitted: the rest of the context window; 0 (with "
+                                         "echo): the prompt alone, e.g. for its logprobs")
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool | None = Field(None, description="not supported yet: only false")
+    echo: StrictBool | None = Field(None, description="the prompt before the completion, in its text and logprobs")
     best_of: StrictInt | None = Field(None, ge=1, description="not supported yet: only equal to n")
     suffix: StrictStr | None = Field(None, description="not supported yet: only null or ''")
 
     def unsupported_parameters(self) -> list[str]:
         names = self._unsupported_common()
-        if self.echo:
-            names.append("echo")
         if self.best_of is not None and self.best_of != (self.n or 1):
             names.append("best_of")
         if self.suffix:

@@ -58,6 +58,9 @@ class Prepared:
     keep_special: frozenset[int] = frozenset()  # special tokens its text keeps (markers its parsers read)
     harmony: bool = False  # its output is read as gpt-oss's harmony channels (api/harmony.py)
     adapter: str | None = None  # the LoRA adapter it runs with (its `model`), None: the base model
+    echo: bool = False  # completions: the prompt comes first in each choice's text (and logprobs)
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone (the one token the engine samples is dropped)
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field asked for, with its top-n
 
     @property
     def prompt_tokens(self) -> int:
@@ -204,7 +207,15 @@ class OpenAIServing:
         else:
             prompts = [list(p) for p in prompt]
         self._check_vocab(prompts)
-        return self._prepare(False, "cmpl-", req, prompts, req.max_tokens, req.logprobs, received_at, spec)
+        echo_only = bool(req.echo) and req.max_tokens == 0
+        if req.max_tokens == 0 and not echo_only:
+            raise invalid("max_tokens 0 returns nothing without echo: true", param="max_tokens")
+        # echo_only: the engine samples one token (the prompt's last position runs anyway), which is dropped
+        prep = self._prepare(False, "cmpl-", req, prompts, 1 if echo_only else req.max_tokens, req.logprobs,
+                             received_at, spec)
+        prep.echo, prep.echo_only = bool(req.echo), echo_only
+        # echo with logprobs: the prompt's tokens lead each choice's logprobs, so the engine computes them
+        return self._ask_prompt_logprobs(prep, req.prompt_logprobs, req.logprobs if req.echo else None)
 
     def prepare_chat(self, req: ChatCompletionRequest, received_at: float) -> Prepared:
         effort = req.reasoning_effort
@@ -252,6 +263,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = self._prepare(True, "chatcmpl-", req, [prompt], max_tokens, logprobs, received_at, spec)
+        self._ask_prompt_logprobs(prep, req.prompt_logprobs, None)
         prep.tool_format = tool_format
         prep.tool_names = frozenset(t["function"]["name"] for t in tools)
         prep.reasoning = reasoning
@@ -426,6 +438,17 @@ class OpenAIServing:
         return Prepared(chat, prefix + uuid.uuid4().hex, self.model_name, prompts, prompt_of, param_list,
                         bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
                         logprobs is not None, bool(req.return_tokens_as_token_ids), received_at)
+
+    @staticmethod
+    def _ask_prompt_logprobs(prep: Prepared, asked: int | None, echoed: int | None) -> Prepared:
+        """The engine computes prompt logprobs (inferd/engine/prompt_logprobs.py) with the larger top-n of what the
+        response shows: vLLM's `prompt_logprobs` field (asked) and echo's leading entries (echoed). Every choice
+        computes its own (with n > 1 too): a choice's first event carries them, whatever order the choices run in."""
+        top = max((v for v in (asked, echoed) if v is not None), default=None)
+        prep.prompt_logprobs = asked
+        for params in prep.params:
+            params.prompt_logprobs = top
+        return prep
 
     @staticmethod
     def _sampling_params(req, max_tokens: int, logprobs: int | None, seed: int) -> SamplingParams:

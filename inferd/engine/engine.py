@@ -19,7 +19,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -29,6 +29,7 @@ from ..config import EngineConfig, resolve_dtype, resolve_kv_dtype
 from ..models import batch_invariant
 from ..models.config import ModelConfig
 from ..telemetry.roofline import model_cost
+from . import prompt_logprobs
 from .cuda_graph import decode_graph_spec
 from .errors import InvalidRequestError
 from .grammars import Failure, Grammars, Masks, check_grammar_budgets
@@ -91,13 +92,15 @@ class SampleOutput:
     num_rows: int
     grammar: dict[str, list[tuple[bool, bool]]]  # per constrained request: (accepted, grammar complete) per token
     failed: list[Failure]  # requests whose grammar work ran out of time this step: they end, their rows dropped
+    # (request, position, entries) of the step's prompt logprobs (prompt_logprobs.py): usually none
+    prompt: list = field(default_factory=list)
 
 
 def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """One request's outputs of one step (several tokens when drafts were accepted) as one output."""
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.new_text + b.new_text, b.finished,
                          b.finish_reason, b.stop_reason, b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens,
-                         a.logprobs + b.logprobs)
+                         a.logprobs + b.logprobs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
 
 
 def check_batch_invariant(config: EngineConfig) -> None:
@@ -324,7 +327,8 @@ class Engine:
                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         return RequestOutput(req.request_id, new_ids, text, req.is_finished,
                              req.finish_reason.value if req.finish_reason else None, req.stop_reason,
-                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, logprobs or [])
+                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, logprobs or [],
+                             prompt_logprobs=prompt_logprobs.take(req) if new_ids else None)
 
     # ---- the worker's view (EngineProtocol, protocol.py) -----------------------------------------------------
     def unfinished_request_ids(self) -> list[str]:
@@ -387,8 +391,9 @@ class Engine:
         # (request, draft tokens, logits rows) of every request that samples, read before num_computed_tokens moves
         samplers = [SamplingRequest(s.request, s.request.draft_token_ids[:s.num_draft], s.num_logits)
                     for s in sched.scheduled if s.samples]
-        masks, logits = self.execute(sched, samplers)
+        masks, logits, prompt = self.execute(sched, samplers)
         sampled = self.sample(samplers, logits, masks)
+        sampled.prompt = prompt
         outputs += self.update_from_output(sched, sampled, started)
         self._in_step = None
         return outputs
@@ -409,19 +414,24 @@ class Engine:
             self.proposer.propose(self.scheduler.running)
         return self.scheduler.schedule()
 
-    def execute(self, sched: SchedulerOutput, samplers: list[SamplingRequest]
-                ) -> tuple[Masks | None, torch.Tensor]:
+    def execute(self, sched: SchedulerOutput, samplers: list[SamplingRequest]) -> tuple[Masks | None, torch.Tensor,
+                                                                                        list]:
         """The forward pass: float32 logits, one row per sampled position (a request verifying k drafts has k + 1,
-        at positions num_tokens .. num_tokens + k). The constrained rows' masks are filled on the grammar threads
-        meanwhile (None when no row has a grammar)."""
+        at positions num_tokens .. num_tokens + k), and the step's prompt logprobs (prompt_logprobs.py). The
+        constrained rows' masks are filled on the grammar threads meanwhile (None when no row has a grammar)."""
         masks = self.grammars.start_masks(samplers)
-        if self.lora is None:
-            return masks, self.runner.execute(sched)
-        self.lora.begin_step([s.request for s in sched.scheduled], [s.num_tokens for s in sched.scheduled])
+        if self.lora is not None:
+            self.lora.begin_step([s.request for s in sched.scheduled], [s.num_tokens for s in sched.scheduled])
         try:
-            return masks, self.runner.execute(sched)
+            prompt_rows = prompt_logprobs.plan(sched)
+            if not prompt_rows:
+                return masks, self.runner.execute(sched), []
+            keep = [r.row + k for r in prompt_rows for k in range(r.count)]
+            logits, hidden = self.runner.execute_keeping(sched, keep)
+            return masks, logits, prompt_logprobs.compute(self.runner.model.compute_logits, hidden, prompt_rows)
         finally:
-            self.lora.end_step()
+            if self.lora is not None:
+                self.lora.end_step()
 
     def sample(self, samplers: list[SamplingRequest], logits: torch.Tensor, masks: Masks | None) -> SampleOutput:
         """logit_bias, the grammar masks, penalties and min_tokens, then the draw (a function of the request's seed
@@ -463,8 +473,12 @@ class Engine:
         # an MoE model's experts: only those the step's tokens picked were read (its blocks counted them)
         experts = self._expert_bytes(sched.num_tokens) if self._expert_bytes is not None else 0
         step_bytes, step_flops = self.cost.step(queries, contexts, out.num_rows, experts)
+        for req, position, entries in out.prompt:
+            prompt_logprobs.collect(req, position, entries)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_tokens - s.num_draft  # accepted drafts are added below
+            if not s.request.is_finished:  # its full blocks, before a token ends it (max_tokens 1 published none)
+                self.kv_cache.cache_full_blocks(s.request)
         outputs = []
         for req, drafts, tokens, first_row in out.requests:
             if out.failed and req.is_finished:  # failed above: its rows are dropped
@@ -492,9 +506,6 @@ class Engine:
             req.draft_token_ids = []
             if merged is not None:
                 outputs.append(merged)
-        for s in sched.scheduled:
-            if not s.request.is_finished:
-                self.kv_cache.cache_full_blocks(s.request)
         seconds = time.perf_counter() - started
         stats.seconds += seconds
         stats.bytes_read += step_bytes

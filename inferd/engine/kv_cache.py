@@ -192,8 +192,8 @@ class KVCacheManager:
         k blocks: a full group holds blocks [0, k), a sliding one those of the window before k; the blocks before
         that are its null block); at least one token is left to compute, because the last prompt position must run
         through the model to give logits."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return []  # a request computing prompt logprobs needs every position's hidden state: it runs them all
         self._update_hashes(request)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         k = len(hashes)

@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-n (token id, logprob), most likely first
+    rank: int | None = None  # 1 + the tokens more likely than it (prompt logprobs give it)
 
 
 @dataclass
@@ -26,3 +27,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's vector (inferd/engine/embedding.py)
+    # every prompt position's logprob (the first None), in the request's first output when it asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from ..config import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS_ENTRIES
+from ..config import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
 from .errors import InvalidRequestError
 from .structured import check_spec
 
@@ -24,6 +24,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's and the top-n
+    # None: none; n >= 0: every prompt position's logprob (the first has none) and its top-n, computed across chunked
+    # prefill (inferd/engine/prompt_logprobs.py) and sent with the first output
+    prompt_logprobs: int | None = None
     priority: int = 0  # lower value = more important (served first, preempted last)
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
@@ -49,8 +52,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -139,12 +144,23 @@ class Request:
     grammar_future: object | None = None
     grammar_seconds: float = 0.0  # its grammar's work so far (fills, accepts), against its budget (grammar_budget.py)
     lora_slot: int = -1  # the model's slot of its LoRA adapter while it runs (engine/lora.py)
+    # prompt logprobs (params.prompt_logprobs): entry p is position p's (None for the first), collected as prefill
+    # chunks run, until they leave with the first output (prompt_logprobs_sent)
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to be computed or sent: its prompt runs whole (no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_tokens(self) -> int:

@@ -207,17 +207,25 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Runs one step; returns float32 logits for the rows that sample, in scheduled order (a request verifying
         k drafts has k + 1 consecutive rows)."""
+        if self.decode_graphs is not None:  # a step of one-token decodes only, at a shape captured as a CUDA graph
+            rows = step_rows(sched)
+            shape = self.decode_graphs.plan(rows)
+            if shape is not None:
+                return self.decode_graphs.execute(rows, shape)
+        return self.execute_keeping(sched, [])[0]
+
+    @torch.inference_mode()
+    def execute_keeping(self, sched: SchedulerOutput, keep_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """execute, also returning the final hidden states of the step rows keep_rows (prompt logprobs: the eager
+        path, never a CUDA graph)."""
         rows = step_rows(sched)
-        # a step of one-token decodes only, at a shape captured as a CUDA graph (cuda_graph.py)
-        shape = self.decode_graphs.plan(rows) if self.decode_graphs is not None else None
-        if shape is not None:
-            return self.decode_graphs.execute(rows, shape)
         if self.parallel is not None:
             self.parallel.send_step(rows)  # the other ranks run the same step beside this one
         hidden, logits_rows = self.forward(rows)
+        kept = hidden[keep_rows] if keep_rows else hidden[:0]
         if not logits_rows:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[logits_rows])
+            return torch.empty(0, self.config.vocab_size, device=self.device), kept
+        return self.model.compute_logits(hidden[logits_rows]), kept
 
     @torch.inference_mode()
     def forward(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int]]:

@@ -56,6 +56,16 @@ class ScheduledRequest:
         """Rows of this step that give logits: the last token's, and one per draft."""
         return 1 + self.num_draft if self.samples else 0
 
+    @property
+    def num_prompt_logits(self) -> int:
+        """Rows of this step, before the sampled one, whose final hidden states give prompt logprobs: every row of
+        a prefill chunk of a request that asks for them, while its chunk covers positions before its prompt's
+        last (prompt_logprobs.py)."""
+        r = self.request
+        if not r.wants_prompt_logprobs or r.num_computed_tokens >= r.num_prompt_tokens - 1:
+            return 0
+        return self.num_tokens - self.num_logits
+
 
 @dataclass
 class SchedulerOutput:

@@ -351,9 +351,11 @@ class WorkerOutput(RequestOutput):
 
     @classmethod
     def from_wire(cls, entry: dict[str, Any]) -> WorkerOutput:
-        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
-                    for lp in entry.get("logprobs", [])]
-        return cls(request_id=entry["request_id"], epoch=entry["epoch"], new_token_ids=entry["new_token_ids"],
+        logprobs = [_logprob_from_wire(lp) for lp in entry.get("logprobs", [])]
+        prompt = entry.get("prompt_logprobs")
+        return cls(prompt_logprobs=None if prompt is None else [None if lp is None else _logprob_from_wire(lp)
+                                                                for lp in prompt],
+                   request_id=entry["request_id"], epoch=entry["epoch"], new_token_ids=entry["new_token_ids"],
                    finished=entry["finished"], finish_reason=entry["finish_reason"],
                    stop_reason=entry["stop_reason"], num_prompt_tokens=entry["num_prompt_tokens"],
                    num_output_tokens=entry["num_output_tokens"], num_cached_tokens=entry["num_cached_tokens"],
@@ -370,9 +372,22 @@ def output_entry(out: RequestOutput, epoch: int) -> dict[str, Any]:
     if embedding is not None:  # float32 little-endian, base64: a quarter of JSON's size
         entry["embedding"] = base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode()
     if out.logprobs:
-        entry["logprobs"] = [{"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
-                              "top": [[t, _finite_logprob(v)] for t, v in lp.top]} for lp in out.logprobs]
+        entry["logprobs"] = [_logprob_to_wire(lp) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        entry["prompt_logprobs"] = [None if lp is None else _logprob_to_wire(lp) for lp in out.prompt_logprobs]
     return entry
+
+
+def _logprob_to_wire(lp: TokenLogprob) -> dict[str, Any]:
+    entry = {"token_id": lp.token_id, "logprob": _finite_logprob(lp.logprob),
+             "top": [[t, _finite_logprob(v)] for t, v in lp.top]}
+    if lp.rank is not None:
+        entry["rank"] = lp.rank
+    return entry
+
+
+def _logprob_from_wire(lp: dict[str, Any]) -> TokenLogprob:
+    return TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]], lp.get("rank"))
 
 
 def _decode_vector(text: str | None) -> list[float] | None:

@@ -56,6 +56,7 @@ def read_jsonl(client, file_id: str | None) -> list[dict]:
 def test_two_hundred_lines_through_the_official_client(server):
     client = client_for(server)
     lines = [chat_line(i) for i in range(200)]
+    lines[8]["body"]["prompt_logprobs"] = 1  # vLLM's field goes through a batch line too
     f = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).filename == "input.jsonl"
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
@@ -72,6 +73,10 @@ def test_two_hundred_lines_through_the_official_client(server):
         assert o["error"] is None and o["response"]["status_code"] == 200
         assert o["response"]["body"]["object"] == "chat.completion"
     assert out[7]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    with_prompt = out[8]["response"]["body"]
+    assert len(with_prompt["prompt_logprobs"]) == with_prompt["usage"]["prompt_tokens"]
+    assert with_prompt["prompt_logprobs"][0] is None and all(len(p) >= 1 for p in with_prompt["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in out[7]["response"]["body"]
     listed = client.batches.list(limit=5)
     assert b.id in [x.id for x in listed.data]
     assert client.files.retrieve(b.output_file_id).purpose == "batch_output"

@@ -21,7 +21,7 @@ import httpx
 import torch
 
 from inferd.engine.request import SamplingParams
-from parity import assert_sampling_match, greedy_divergence, scale_of, top2_gap
+from parity import FP32, assert_sampling_match, greedy_divergence, scale_of, top2_gap
 from servers import aiter_sse
 
 TOP = 20  # logprobs asked for: the whole filtered distribution when top_k <= 20
@@ -37,6 +37,7 @@ class Stream:
     errors: list[dict] = field(default_factory=list)
     done: bool = False
     headers: dict = field(default_factory=dict)
+    prompt_logprobs: list = field(default_factory=list)  # every copy received (vLLM's field, when asked for)
 
     @property
     def longest_gap(self) -> float:
@@ -83,6 +84,8 @@ def add_choice(out: Stream, choice: dict) -> Stream:
             out.tops.append({int(k.removeprefix("token_id:")): v for k, v in top.items()})
     if choice.get("finish_reason"):
         out.finish_reason = choice["finish_reason"]
+    if choice.get("prompt_logprobs") is not None:
+        out.prompt_logprobs.append(choice["prompt_logprobs"])
     return out
 
 
@@ -98,6 +101,9 @@ def assert_same_stream(ours: Stream, ref: Stream, body: dict, num_prompt_tokens:
     assert ref.done and not ref.errors, ref.errors
     assert len(ours.tokens) == len(ref.tokens) == body["max_tokens"], (len(ours.tokens), len(ref.tokens))
     assert ours.finish_reason == ref.finish_reason == "length"
+    if body.get("prompt_logprobs") is not None:  # once (a replay's copy is dropped), every position within the bound
+        assert len(ours.prompt_logprobs) == len(ref.prompt_logprobs) == 1, len(ours.prompt_logprobs)
+        assert_same_prompt_logprobs(ours.prompt_logprobs[0], ref.prompt_logprobs[0], num_prompt_tokens)
     if body.get("seed") is None:
         greedy_divergence(ours.tokens, ref.tokens, lambda i: top2_gap(list(ref.tops[i].values())),
                           lambda i: logprob_diff(ours, ref, i), "greedy stream",
@@ -107,6 +113,18 @@ def assert_same_stream(ours: Stream, ref: Stream, body: dict, num_prompt_tokens:
                             top_p=body.get("top_p", 1.0), seed=body["seed"])
     assert_sampling_match(ours.tokens, ref.tokens, [top_logits(top) for top in ref.tops], params, body["seed"],
                           num_prompt_tokens, "seeded stream", diff_at=lambda i: logprob_diff(ours, ref, i))
+
+
+def assert_same_prompt_logprobs(ours: list, ref: list, num_prompt_tokens: int) -> None:
+    """Two responses' prompt_logprobs (vLLM's shape) agree: one entry per prompt position, the first None, and at
+    each position the same tokens' logprobs within the float32 bound (the scale: the largest logprob magnitude)."""
+    assert len(ours) == len(ref) == num_prompt_tokens and ours[0] is None and ref[0] is None
+    for p, (a, b) in enumerate(zip(ours[1:], ref[1:]), 1):
+        common = a.keys() & b.keys()
+        assert common, f"prompt position {p}: no token in common"
+        diff = max(abs(a[t]["logprob"] - b[t]["logprob"]) for t in common)
+        assert diff <= 2 * FP32.tolerance(scale_of([v["logprob"] for v in b.values()])), \
+            f"prompt position {p}: logprobs {diff} apart"
 
 
 def logprob_diff(ours: Stream, ref: Stream, i: int) -> float:

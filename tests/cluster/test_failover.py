@@ -36,8 +36,10 @@ MAX_TOKENS = 32
 
 
 def bodies(prompts: list[list[int]]) -> list[dict]:
-    # half greedy, half seeded sampling
-    return [request_body("tiny", p, MAX_TOKENS, None if i % 2 == 0 else 1000 + i) for i, p in enumerate(prompts)]
+    # half greedy, half seeded sampling; every third with its prompt logprobs (a stream lost in prefill has them
+    # computed again by the worker it moves to, one lost after its first token has them once all the same)
+    return [request_body("tiny", p, MAX_TOKENS, None if i % 2 == 0 else 1000 + i,
+                         **({"prompt_logprobs": 2} if i % 3 == 0 else {})) for i, p in enumerate(prompts)]
 
 
 # a hung worker's streams moving: test_hung_worker_is_given_up_and_its_late_tokens_are_dropped below (remote
