@@ -102,20 +102,29 @@ def test_max_tokens_reached(client):
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
 
 
-def test_a_forced_tool_call_and_its_result(client):
-    messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-    m = client.messages.create(model=MODEL, max_tokens=80, extra_body=T0, messages=messages, tools=[WEATHER],
-                               tool_choice={"type": "tool", "name": "get_weather"})
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+FORCED = {"model": MODEL, "max_tokens": 60, "messages": TOOL_ASK, "tools": [WEATHER],
+          "tool_choice": {"type": "tool", "name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def forced(client):
+    """The greedy answer to FORCED: a call of get_weather (the streamed test compares with it)."""
+    return client.messages.create(**FORCED, extra_body=T0)
+
+
+def test_a_forced_tool_call_and_its_result(client, forced):
+    m = forced
     assert m.stop_reason == "tool_use", m
     calls = [b for b in m.content if b.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
     assert isinstance(calls[0].input, dict)
     jsonschema.validate(calls[0].input, WEATHER["input_schema"])
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
-                                               "content": [{"type": "text", "text": "21 degrees, sunny"}]},
-                                              {"type": "text", "text": "Thanks. Summarize it."}]}]
-    final = client.messages.create(model=MODEL, max_tokens=12, extra_body=T0, messages=messages, tools=[WEATHER],
+    messages = [*TOOL_ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                              "content": [{"type": "text", "text": "21 degrees, sunny"}]},
+                                             {"type": "text", "text": "Thanks. Summarize it."}]}]
+    final = client.messages.create(model=MODEL, max_tokens=8, extra_body=T0, messages=messages, tools=[WEATHER],
                                    tool_choice={"type": "none"})
     assert final.stop_reason in ("end_turn", "max_tokens") and _text(final)
     assert not [b for b in final.content if b.type == "tool_use"]
@@ -139,15 +148,11 @@ def test_raw_event_order(client):
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 5
 
 
-def test_streamed_tool_call_is_input_json_deltas(served, client):
+def test_streamed_tool_call_is_input_json_deltas(served, forced):
     """Raw SSE: each event's `event:` line names its data's type; the tool_use block's partial_json pieces join to
     the input of the non-streamed answer."""
     server, keys = served
-    body = {"model": MODEL, "max_tokens": 80, "tools": [WEATHER],
-            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
-            "messages": [{"role": "user", "content": "Weather in Rome, celsius?"}]}
-    whole = client.messages.create(**body, extra_body=T0)
-    with httpx.stream("POST", server.url + "/v1/messages", json={**body, **T0, "stream": True}, timeout=120,
+    with httpx.stream("POST", server.url + "/v1/messages", json={**FORCED, **T0, "stream": True}, timeout=120,
                       headers={"x-api-key": keys["agent"], "anthropic-version": "2023-06-01"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -156,12 +161,12 @@ def test_streamed_tool_call_is_input_json_deltas(served, client):
     assert names == [d["type"] for d in data] and names[:2] == ["message_start", "ping"]
     assert names[-2:] == ["message_delta", "message_stop"]
     starts = [d["content_block"] for d in data if d["type"] == "content_block_start"]
-    assert [s["type"] for s in starts] == [b.type for b in whole.content]
+    assert [s["type"] for s in starts] == [b.type for b in forced.content]
     tool = next(i for i, s in enumerate(starts) if s["type"] == "tool_use")
     assert starts[tool]["input"] == {} and starts[tool]["name"] == "get_weather"
     partial = "".join(d["delta"]["partial_json"] for d in data
                       if d["type"] == "content_block_delta" and d["index"] == tool)
-    assert json.loads(partial) == whole.content[tool].input
+    assert json.loads(partial) == forced.content[tool].input
     assert data[-2]["delta"]["stop_reason"] == "tool_use"
 
 
