@@ -1,9 +1,9 @@
 """The Anthropic Messages API (/v1/messages, /v1/messages/count_tokens) with the official `anthropic` client against
-a real `inferd serve` of the default model started with a keys file (so `x-api-key`, what the client sends, is how
-every request here is authenticated): text, system and stop sequences, max_tokens, a forced tool call and its result,
-streams (the helper's text and final message, the raw event order), errors in Anthropic's shape (401, 400, 404,
-413, 429 with Retry-After), and the same greedy text as /v1/chat/completions (the translation is the chat path's).
-The translation and the error shape on their own are checked without the server at the end."""
+a real `inferd serve` of the default model started with a keys file (the requests give their key as `x-api-key`, or
+as a Bearer token where this version of the client does): text, system and stop sequences, max_tokens, a forced tool
+call and its result, streams (the helper's text and final message, the raw event order), errors in Anthropic's shape
+(401, 400, 404, 413, 429 with Retry-After), and the same greedy text as /v1/chat/completions (the translation is the
+chat path's). The translation and the error shape on their own are checked without the server at the end."""
 
 from __future__ import annotations
 
@@ -45,8 +45,12 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
+    """The key as `x-api-key` (what Claude Code and the SDK's earlier versions send; this version sends api_key as
+    a Bearer token, which the wrong-key test below uses), and no Authorization header even if $ANTHROPIC_API_KEY
+    is set."""
     server, keys = served
-    return anthropic.Anthropic(base_url=server.url, api_key=keys["agent"], max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server.url, api_key=None, max_retries=0, timeout=120,
+                               default_headers={"x-api-key": keys["agent"], "Authorization": anthropic.omit})
 
 
 def _text(message) -> str:
