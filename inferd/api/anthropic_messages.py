@@ -103,8 +103,11 @@ def _turn(role: str, content, where: str) -> list[dict]:
         elif isinstance(block, ToolUseBlock):
             if role != "assistant":
                 raise invalid("tool_use blocks belong to assistant turns", param=param)
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": _DUMPS(block.input)}})
+            try:
+                arguments = _DUMPS(block.input)
+            except ValueError:  # NaN or Infinity, which Python's JSON parser lets into the body
+                raise invalid("a tool_use input must be JSON (NaN and Infinity are not)", param=param) from None
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, ToolResultBlock):
             if role != "user":
                 raise invalid("tool_result blocks belong to user turns", param=param)

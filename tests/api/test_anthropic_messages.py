@@ -279,6 +279,9 @@ def test_translation_of_tool_turns_and_choices():
      "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0"),
     ({"messages": USER, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                      "input": {"x": float("nan")}}]}, *USER]},
+     "messages.0.content.0"),  # (Python's JSON parser lets NaN into a body)
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(body, param):
     with pytest.raises(APIError) as e:
