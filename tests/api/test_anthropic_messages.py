@@ -16,10 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from inferd.api.anthropic_messages import to_chat_request
+from inferd.api.anthropic_messages import error_event, to_chat_request
 from inferd.api.anthropic_schemas import MessagesRequest
 from inferd.api.errors import APIError, response_for
+from inferd.gateway.admission import QueueTimeout
 from inferd.gateway.tenants import create_key
+from inferd.worker.client import WorkerDead
 from servers import kill_group, sse_data, start_server
 
 MODEL = "smollm2"
@@ -298,3 +300,15 @@ def test_error_shape_keeps_status_and_headers():
     assert json.loads(failed.body)["error"]["type"] == "api_error"
     assert json.loads(response_for("/v1/chat/completions", error).body)["error"]["code"] == "overloaded"
     assert json.loads(response_for("/v1/messagesX", error).body)["error"]["code"] == "overloaded"
+
+
+def test_a_failure_in_a_stream_is_an_error_event():
+    """What a stream that has started writes when its request fails (the delivery's stream_error, and the Shape's
+    stream on a failure after the first event)."""
+    for failure, kind in ((QueueTimeout(3.0), "overloaded_error"), (WorkerDead("gone"), "overloaded_error"),
+                          (RuntimeError("bug"), "api_error")):
+        chunk = error_event(failure).decode()
+        assert chunk.startswith("event: error\ndata: ") and chunk.endswith("\n\n")
+        [data] = sse_data(chunk)
+        assert data["type"] == "error" and data["error"]["type"] == kind and set(data["error"]) == {"type", "message"}
+        assert "bug" not in chunk  # an unexpected error names the request id, not its inside
