@@ -109,18 +109,11 @@ def test_max_tokens_reached(client):
 
 
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-FORCED = {"model": MODEL, "max_tokens": 60, "messages": TOOL_ASK, "tools": [WEATHER],
-          "tool_choice": {"type": "tool", "name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def forced(client):
-    """The greedy answer to FORCED: a call of get_weather (the streamed test compares with it)."""
-    return client.messages.create(**FORCED, extra_body=T0)
-
-
-def test_a_forced_tool_call_and_its_result(client, forced):
-    m = forced
+def test_a_forced_tool_call_and_its_result(client):
+    m = client.messages.create(model=MODEL, max_tokens=60, messages=TOOL_ASK, tools=[WEATHER], extra_body=T0,
+                               tool_choice={"type": "tool", "name": "get_weather"})
     assert m.stop_reason == "tool_use", m
     calls = [b for b in m.content if b.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
@@ -144,36 +137,24 @@ def test_stream_helper_gives_the_text_and_final_message(client, greedy):
     assert final.stop_reason == greedy.stop_reason and final.usage.output_tokens == greedy.usage.output_tokens
 
 
-def test_raw_event_order(client):
-    events = list(client.messages.create(model=MODEL, max_tokens=5, extra_body=T0, messages=USER, stream=True))
-    kinds = [e.type for e in events]  # (the client drops the ping after message_start: the raw test sees it)
+def test_raw_event_order(served, client):
+    """Through the client, and raw: each event's `event:` line names its data's type, and the ping the client drops
+    follows message_start. (Streamed tool_use blocks: tests/api/test_reasoning_api.py, on a scripted server.)"""
+    server, keys = served
+    body = {"model": MODEL, "max_tokens": 5, "messages": USER}
+    events = list(client.messages.create(**body, extra_body=T0, stream=True))
+    kinds = [e.type for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"], kinds
     assert set(kinds[2:-3]) == {"content_block_delta"}, kinds
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"], kinds
     assert events[0].message.content == [] and events[0].message.stop_reason is None
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 5
-
-
-def test_streamed_tool_call_is_input_json_deltas(served, forced):
-    """Raw SSE: each event's `event:` line names its data's type; the tool_use block's partial_json pieces join to
-    the input of the non-streamed answer."""
-    server, keys = served
-    with httpx.stream("POST", server.url + "/v1/messages", json={**FORCED, **T0, "stream": True}, timeout=120,
-                      headers={"x-api-key": keys["agent"], "anthropic-version": "2023-06-01"}) as r:
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, **T0, "stream": True}, timeout=120,
+                      headers={"x-api-key": keys["agent"]}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     names = re.findall(r"^event: (\S+)$", raw, re.M)
-    data = sse_data(raw)
-    assert names == [d["type"] for d in data] and names[:2] == ["message_start", "ping"]
-    assert names[-2:] == ["message_delta", "message_stop"]
-    starts = [d["content_block"] for d in data if d["type"] == "content_block_start"]
-    assert [s["type"] for s in starts] == [b.type for b in forced.content]
-    tool = next(i for i, s in enumerate(starts) if s["type"] == "tool_use")
-    assert starts[tool]["input"] == {} and starts[tool]["name"] == "get_weather"
-    partial = "".join(d["delta"]["partial_json"] for d in data
-                      if d["type"] == "content_block_delta" and d["index"] == tool)
-    assert json.loads(partial) == forced.content[tool].input
-    assert data[-2]["delta"]["stop_reason"] == "tool_use"
+    assert names == [d["type"] for d in sse_data(raw)] == kinds[:1] + ["ping"] + kinds[1:]
 
 
 def test_errors_are_in_anthropics_shape(served, client):

@@ -132,6 +132,9 @@ def test_messages_api_thinking_text_and_tool_use_blocks(server):
     assert blocks == ["thinking", "text", "tool_use"]
     assert deltas == sorted(deltas, key=["thinking_delta", "text_delta", "input_json_delta"].index)
     assert deltas.count("thinking_delta") > 1  # streamed as generated
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta")
+    assert json.loads(partial) == m.content[2].input
     with client.messages.stream(**ask) as stream:
         final = stream.get_final_message()
     assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"}) for b in m.content]
