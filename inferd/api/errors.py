@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from . import anthropic_errors
+
 log = logging.getLogger("inferd.api")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -46,6 +48,15 @@ class APIError(Exception):
 # the id of the request being served (the x-request-id response header): set by the middleware for each request and
 # inherited by the tasks it starts, so that an error message can name it and the log can be searched for it
 REQUEST_ID: ContextVar[str] = ContextVar("inferd_request_id", default="-")
+
+
+def response_for(path: str, error: APIError) -> JSONResponse:
+    """The error response of a request to path: Anthropic's shape on the Messages API's paths (its clients read
+    that), OpenAI's everywhere else; the same status and headers. The exception handlers below and the middleware
+    (401, 403, 413, ...) answer through it."""
+    if anthropic_errors.is_messages_path(path):
+        return anthropic_errors.error_response(error.status, error.message, error.headers)
+    return error.response()
 
 
 def new_request_id() -> str:
@@ -103,11 +114,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return response_for(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+        return response_for(request.url.path, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -119,9 +130,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"the body could not be parsed: {exc.detail}"
         else:
             message = str(exc.detail)
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        error = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return response_for(request.url.path, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, REQUEST_ID.get())
-        return internal_error("internal error").response()
+        return response_for(request.url.path, internal_error("internal error"))

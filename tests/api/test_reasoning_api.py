@@ -3,12 +3,14 @@
 user message only, so a test scripts the model's output exactly. reasoning_content apart from content (streamed:
 reasoning deltas, then content deltas, assembling to the non-streamed answer), tool calls from the content only,
 chat_template_kwargs reaching the template (enable_thinking false: no reasoning), bad ones as 400s in OpenAI's shape,
-and a structured output with reasoning accepted."""
+and a structured output with reasoning accepted; through the Anthropic Messages API, the reasoning as a thinking
+block (streamed as thinking deltas) before the text and tool_use blocks, and thinking disabled reaching the template."""
 
 from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -111,3 +113,32 @@ def test_bad_chat_template_kwargs_are_400s_and_good_ones_are_not(server):
         error = r.json()["error"]
         assert set(error) >= {"message", "type", "param", "code"} and "chat_template_kwargs" in (error["param"] or "")
     assert post({"enable_thinking": True, "anything": {"nested": [1, "two"]}}).status_code == 200
+
+
+def test_messages_api_thinking_text_and_tool_use_blocks(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    # (the echo engine ignores EOS; the Messages API has no stop_token_ids: a stop sequence ends the script)
+    ask = {"model": server.model, "max_tokens": 400, "tools": [tool], "stop_sequences": ["@@"],
+           "messages": [{"role": "user", "content": "<think>Maybe rain.</think>\n\nChecking.\n" + call + "@@"}]}
+    m = client.messages.create(**ask)
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"] and m.stop_reason == "tool_use"
+    assert m.content[0].thinking == "Maybe rain." and m.content[1].text == "Checking."
+    assert (m.content[2].name, m.content[2].input) == ("get_weather", {"city": "Oslo", "unit": "celsius"})
+    events = list(client.messages.create(**ask, stream=True))
+    blocks = [e.content_block.type for e in events if e.type == "content_block_start"]
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert blocks == ["thinking", "text", "tool_use"]
+    assert deltas == sorted(deltas, key=["thinking_delta", "text_delta", "input_json_delta"].index)
+    assert deltas.count("thinking_delta") > 1  # streamed as generated
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta")
+    assert json.loads(partial) == m.content[2].input
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"}) for b in m.content]
+    off = client.messages.create(model=server.model, max_tokens=400, thinking={"type": "disabled"},
+                                 stop_sequences=["@@"], messages=[{"role": "user", "content": THOUGHT + "@@"}])
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text == "[no thinking] " + THOUGHT
+    assert (off.stop_reason, off.stop_sequence) == ("stop_sequence", "@@")

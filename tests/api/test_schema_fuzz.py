@@ -49,6 +49,8 @@ MSG = [{"role": "user", "content": "hi"}]
 GENERATED = {
     "POST /v1/completions": 12,
     "POST /v1/chat/completions": 12,
+    "POST /v1/messages": 6,
+    "POST /v1/messages/count_tokens": 3,
     "POST /tokenize": 6,
     "POST /detokenize": 5,
     "GET /v1/models": 1,
@@ -80,6 +82,11 @@ EXPLICIT = {
         {"body": {"model": MODEL, "messages": MSG, "max_completion_tokens": 3, "logprobs": True, "stream": True,
                   "stream_options": {"include_usage": True}}},
     ],
+    "POST /v1/messages": [
+        {"body": {"model": MODEL, "messages": MSG, "max_tokens": 4, "system": "Be brief."}},
+        {"body": {"model": MODEL, "messages": MSG, "max_tokens": 3, "stream": True}},
+    ],
+    "POST /v1/messages/count_tokens": [{"body": {"model": MODEL, "messages": MSG}}],
     "POST /tokenize": [{"body": {"model": MODEL, "prompt": "hello"}}, {"body": {"messages": MSG}}],
     "POST /detokenize": [{"body": {"model": MODEL, "tokens": [1, 2, 3]}}],
     "GET /v1/models/{model_id}": [{"path_parameters": {"model_id": MODEL}}],

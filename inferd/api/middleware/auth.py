@@ -1,14 +1,18 @@
 """Who is asking: resolves the request's API key to its tenant (scope[TENANT]), checks the admin key on /admin/...
 and the metrics key on /metrics and /dashboard/data (which also decides who sees per-tenant figures:
 scope[TENANT_DETAIL]). A missing or refused key is a 401, after which the connection is closed: a client without a
-key has no reason to keep one (and a place)."""
+key has no reason to keep one (and a place).
+
+A tenant's key comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's); both at
+once must name the same key, else 401: which tenant pays must never depend on which header a proxy added. The admin
+and metrics keys are Bearer only."""
 
 from __future__ import annotations
 
 import hmac
 
 from ...gateway.tenants import ANONYMOUS_TENANT, DEFAULT_TENANT, AuthError
-from ..errors import APIError
+from ..errors import APIError, response_for
 from ..http_limits import CLOSE_AFTER_RESPONSE
 
 TENANT = "inferd.tenant"  # scope key: the Tenant the request's key belongs to
@@ -28,12 +32,13 @@ class Authentication:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = self._check(scope, scope["path"])
+        path = scope["path"]
+        error = self._check(scope, path)
         if error is None:
             return await self.app(scope, receive, send)
         if error.status == 401:  # a client without a key has no reason to keep a connection (and a place)
             scope[CLOSE_AFTER_RESPONSE] = True
-        await error.response()(scope, receive, send)
+        await response_for(path, error)(scope, receive, send)
 
     def _check(self, scope, path: str) -> APIError | None:
         state = self.state
@@ -53,11 +58,9 @@ class Authentication:
             return None
         if path in PUBLIC_PATHS:
             return None
-        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
-        scheme, _, given = auth.partition(" ")
-        given = given.strip()
-        if scheme.lower() != "bearer" or not given:
-            return _unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer KEY'")
+        given, error = _tenant_key(scope)
+        if error is not None:
+            return error
         if state.api_key is not None and hmac.compare_digest(given.encode(), state.api_key.encode()):
             scope[TENANT] = DEFAULT_TENANT
             return None
@@ -88,6 +91,21 @@ def bearer_matches(scope, key: str) -> bool:
     auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
     scheme, _, given = auth.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _tenant_key(scope) -> tuple[str, APIError | None]:
+    """The tenant key a request gives: (key, None), or ("", the 401) when it gives none or two different ones."""
+    auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+    scheme, _, bearer = auth.partition(" ")
+    bearer = bearer.strip() if scheme.lower() == "bearer" else ""
+    x_api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"").decode("latin-1").strip()
+    if bearer and x_api_key and not hmac.compare_digest(bearer.encode(), x_api_key.encode()):
+        return "", _unauthorized("The request gives two different API keys ('Authorization: Bearer' and 'x-api-key'): "
+                                 "send one")
+    if not (bearer or x_api_key):
+        return "", _unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer KEY' or "
+                                 "'x-api-key: KEY'")
+    return bearer or x_api_key, None
 
 
 def _unauthorized(message: str) -> APIError:

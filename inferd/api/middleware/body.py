@@ -8,7 +8,7 @@ import asyncio
 import json
 import re
 
-from ..errors import APIError
+from ..errors import APIError, response_for
 
 UNBUFFERED_PATHS = ("/v1/files",)
 
@@ -33,7 +33,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         error, receive = await self._buffer_body(scope, receive)
         if error is not None:
-            return await error.response()(scope, receive, send)
+            return await response_for(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)
 
     async def _buffer_body(self, scope, receive):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from ..errors import APIError
+from ..errors import APIError, response_for
 
 
 class LoopbackOnly:
@@ -23,7 +23,7 @@ class LoopbackOnly:
         if host is not None and not _loopback_name(host):
             error = APIError(403, f"this server has no API keys and serves loopback clients only; the Host "
                              f"{host!r} is not a loopback name", "permission_error", code="host_not_allowed")
-            return await error.response()(scope, receive, send)
+            return await response_for(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
