@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from .errors import APIError, invalid, validation_error
+from .errors import invalid, validation_error
 from .refusals import worker_error
 from .responses import complete as chat_complete
 from .responses_schema import (
@@ -236,9 +236,9 @@ async def complete(head: ResponseHead, generation) -> dict:
                      "max_output_tokens" if incomplete else None)
 
 
-def failed_error(e: Exception) -> tuple[APIError, dict]:
-    """A failure as an APIError and as a Response object's `error`."""
+def failed_error(e: Exception) -> dict:
+    """A failure as a Response object's `error`: its code one of OpenAI's (which a client's types accept), inferd's
+    own code (what a client can act on: queue_timeout, worker_lost, ...) in the message."""
     err = worker_error(e)
-    return err, {"code": err.code or ("server_error" if err.status >= 500 else "invalid_prompt"),
-                 "message": err.message}
-
+    code = "rate_limit_exceeded" if err.status == 429 else "invalid_prompt" if err.status < 500 else "server_error"
+    return {"code": code, "message": f"{err.message} (code: {err.code})" if err.code else err.message}

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from ..config import MAX_METADATA_ENTRIES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS, MAX_TOOLS
-from .schemas import Float, FunctionName, Identifier, _Strict
+from .schemas import Float, FunctionName, Identifier
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400, as for chat
 
 
 class InputText(_Strict):

@@ -142,7 +142,7 @@ class EventWriter:
                 self.event("response.in_progress", response=response)]
 
     def _failed(self, e: Exception) -> bytes:
-        _, error = failed_error(e)
+        error = failed_error(e)
         return self.event("response.failed", response=self.head.body("failed", self.items, error=error))
 
     def failed_before_start(self, e: Exception) -> list[bytes]:

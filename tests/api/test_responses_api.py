@@ -13,12 +13,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 from test_disconnect import _idle, _kv_in_use, _running, _steps
 
 from inferd.api.errors import APIError
-from inferd.api.responses_api import to_chat_request
+from inferd.api.responses_api import response_head, to_chat_request
 from inferd.api.responses_schema import ResponsesRequest
+from inferd.api.responses_stream import EventWriter
+from inferd.gateway.admission import QueueTimeout
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -28,6 +31,22 @@ CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items(
 INSTRUCTIONS = "You are a concise assistant."
 QUESTION = "Name three primary colors."
 MAX = 24
+EVENT = TypeAdapter(ResponseStreamEvent)  # the client's own types, validated (the client itself does not validate)
+
+
+def _raw_events(chunks) -> list[dict]:
+    """SSE blocks as OpenAI writes them: an `event:` line naming the type its `data:` line carries, each data
+    valid as the openai client's event types."""
+    events = []
+    for block in b"".join(chunks).decode().split("\n\n"):
+        if not block or block.startswith(":"):
+            continue
+        event_line, data_line = block.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert event_line == "event: " + data["type"]
+        EVENT.validate_python(data)
+        events.append(data)
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +73,7 @@ def test_text_input_gives_a_response_object(client, smollm2_server):
     assert r.usage.input_tokens_details.cached_tokens >= 0 and r.usage.output_tokens_details.reasoning_tokens == 0
     assert r.store is False and r.metadata == {"who": "test"} and r.temperature == 0 and r.max_output_tokens == MAX
     assert r.text.format.type == "text" and r.tools == [] and r.parallel_tool_calls is True
+    Response.model_validate(r.model_dump())
 
 
 def test_same_answer_as_chat_completions(client, smollm2_server):
@@ -136,6 +156,8 @@ def test_function_call_and_its_output_sent_back(client, smollm2_server, tool_cal
 def test_streamed_function_call(client, smollm2_server, tool_call):
     whole = tool_call
     events = list(client.responses.create(model=smollm2_server.model, stream=True, **TOOL_CALL))
+    for e in events:
+        EVENT.validate_python(e.to_dict())
     types = [e.type for e in events]
     assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
@@ -154,6 +176,8 @@ def test_stream_events_in_order(client, smollm2_server):
                   max_output_tokens=MAX)
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(stream=True, **kwargs))
+    for e in events:
+        EVENT.validate_python(e.to_dict())
     types, text = _text_events(events)
     deltas = types.count("response.output_text.delta")
     assert deltas > 1
@@ -244,6 +268,18 @@ def test_translation_joins_calls_to_their_turn():
     assert [m.get("tool_call_id") for m in messages[3:]] == ["c1", "c2"]
 
 
+def test_failure_before_the_first_event_is_a_failed_response():
+    """The headers went out, then the request left the queue without a worker: created, in_progress, failed."""
+    prep = type("Prep", (), {"id": "chatcmpl-0123", "created": 1, "model": "m"})
+    writer = EventWriter(response_head(ResponsesRequest.model_validate({"input": "x"}), prep))
+    events = _raw_events(writer.failed_before_start(QueueTimeout(2.5)))
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["id"] == "resp_0123" and failed["output"] == []
+    assert failed["error"]["code"] == "server_error" and "(code: queue_timeout)" in failed["error"]["message"]
+
+
 def test_metadata_limit():
     from pydantic import ValidationError
 
@@ -267,14 +303,16 @@ def test_stream_disconnect_frees_the_request(smollm2_server):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/responses", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            lines, deltas = r.iter_lines(), 0
-            for line in lines:
-                if line.startswith("event: "):
-                    data = json.loads(next(lines).removeprefix("data: "))
-                    assert data["type"] == line.removeprefix("event: ")
-                    deltas += data["type"] == "response.output_text.delta"
-                    if deltas == 3:
+            chunks, deltas = [], 0
+            for chunk in r.iter_raw():
+                chunks.append(chunk)
+                if b"\n\n" in chunk:
+                    whole = b"".join(chunks)
+                    deltas = whole.count(b"event: response.output_text.delta\n")
+                    if deltas >= 3:
                         break
+            events = _raw_events([whole[:whole.rindex(b"\n\n") + 2]])
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
             busy = server.wait_metrics(lambda m: _running(m) == 1 and _kv_in_use(m) > 0)
     idle = server.wait_metrics(_idle, timeout=20)
     assert _steps(idle) - _steps(busy) < 500

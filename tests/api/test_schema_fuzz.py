@@ -49,6 +49,9 @@ MSG = [{"role": "user", "content": "hi"}]
 GENERATED = {
     "POST /v1/completions": 12,
     "POST /v1/chat/completions": 12,
+    "POST /v1/responses": 2,  # its minimal example, {"input": ""}, generates to the end of the context
+    "GET /v1/responses/{response_id}": 1,
+    "DELETE /v1/responses/{response_id}": 1,
     "POST /tokenize": 6,
     "POST /detokenize": 5,
     "GET /v1/models": 1,
@@ -79,6 +82,10 @@ EXPLICIT = {
         {"body": {"model": MODEL, "messages": MSG, "max_tokens": 4, "n": 2, "logprobs": True, "top_logprobs": 2}},
         {"body": {"model": MODEL, "messages": MSG, "max_completion_tokens": 3, "logprobs": True, "stream": True,
                   "stream_options": {"include_usage": True}}},
+    ],
+    "POST /v1/responses": [
+        {"body": {"model": MODEL, "input": MSG, "instructions": "be brief", "max_output_tokens": 4}},
+        {"body": {"model": MODEL, "input": "hi", "max_output_tokens": 3, "stream": True}},
     ],
     "POST /tokenize": [{"body": {"model": MODEL, "prompt": "hello"}}, {"body": {"messages": MSG}}],
     "POST /detokenize": [{"body": {"model": MODEL, "tokens": [1, 2, 3]}}],

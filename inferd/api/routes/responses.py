@@ -16,9 +16,12 @@ from ..responses_api import ResponseHead, complete, response_head, responses_par
 from ..responses_schema import ResponsesRequest
 from ..responses_stream import EventWriter
 from . import documented_errors
-from .generation import _SSE_EVENT
 
 router = APIRouter()
+
+# one server-sent event of the stream (OpenAPI 3.2's `itemSchema`): `event` is the type, `data` the JSON event
+_SSE_EVENT = {"type": "object", "required": ["event", "data"],
+              "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
 
 
 def response_shape(head: ResponseHead) -> Shape:
