@@ -18,9 +18,10 @@ from pydantic import BaseModel, TypeAdapter
 from test_disconnect import _idle, _kv_in_use, _running, _steps
 
 from inferd.api.errors import APIError
-from inferd.api.responses_api import response_head, to_chat_request
+from inferd.api.responses_api import output_items, response_head, to_chat_request
 from inferd.api.responses_schema import ResponsesRequest
 from inferd.api.responses_stream import EventWriter
+from inferd.api.tools import ToolCall
 from inferd.gateway.admission import QueueTimeout
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
@@ -278,6 +279,35 @@ def test_failure_before_the_first_event_is_a_failed_response():
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["id"] == "resp_0123" and failed["output"] == []
     assert failed["error"]["code"] == "server_error" and "(code: queue_timeout)" in failed["error"]["message"]
+
+
+def test_items_in_the_order_written():
+    """Reasoning (a reasoning parser's), then text, then a call: one item each, in order, as the client's types
+    have them; whitespace before a call is not an answer. The same items as the non-streamed output."""
+    prep = type("Prep", (), {"id": "chatcmpl-0123", "created": 1, "model": "m"})
+    writer = EventWriter(response_head(ResponsesRequest.model_validate({"input": "x"}), prep))
+    call = ToolCall(0, "call_1", "f")
+    chunks = [*writer.reasoning("I think"), *writer.reasoning("."), *writer.text("Let me"), *writer.text(" look."),
+              *writer.call(call, '{"a":', True), *writer.call(call, " 1}", False), *writer.text("\n"),
+              *writer.finish("completed")]
+    events = _raw_events(chunks)
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [item["type"] for item in done] == ["reasoning", "message", "function_call"]
+    assert done[0]["content"][0]["text"] == "I think." and done[1]["content"][0]["text"] == "Let me look."
+    assert (done[2]["call_id"], done[2]["name"], done[2]["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert [e["output_index"] for e in events if e["type"].endswith(".delta")] == [0, 0, 1, 1, 2, 2]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    call.arguments = '{"a": 1}'  # (the parser's, once the call is done)
+    whole = output_items({"reasoning_content": "I think.", "content": "Let me look.", "tool_calls": [call.as_dict()]},
+                         "completed")
+    strip = [{k: v for k, v in item.items() if k != "id"} for item in whole]
+    assert strip == [{k: v for k, v in item.items() if k != "id"} for item in done]
+    # calls only: the whitespace around them is no message; text only, even empty: a message
+    assert [i["type"] for i in output_items({"content": "\n", "tool_calls": [call.as_dict()]}, "completed")] == [
+        "function_call"]
+    assert [(i["type"], i["content"][0]["text"]) for i in output_items({"content": None}, "completed")] == [
+        ("message", "")]
 
 
 def test_metadata_limit():
