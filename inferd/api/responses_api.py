@@ -212,17 +212,19 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 def output_items(message: dict, status: str) -> list[dict]:
     """A chat answer's message as Response output items: its reasoning, its text (also an empty one when there is
-    nothing else; whitespace beside function calls is dropped), then its function calls."""
+    nothing else; whitespace beside function calls is dropped), then its function calls. Only the last item can be
+    the one cut off (status incomplete), as in the stream."""
     items = []
     if message.get("reasoning_content"):
-        items.append(reasoning_item(new_id("rs_"), message["reasoning_content"], status))
+        items.append(reasoning_item(new_id("rs_"), message["reasoning_content"], "completed"))
     calls = message.get("tool_calls") or []
     content = message.get("content") or ""
     if content.strip() or not calls:
-        items.append(message_item(new_id("msg_"), content, status))
+        items.append(message_item(new_id("msg_"), content, "completed"))
     for call in calls:
         items.append(call_item(new_id("fc_"), call["id"], call["function"]["name"], call["function"]["arguments"],
-                               status))
+                               "completed"))
+    items[-1]["status"] = status
     return items
 
 
