@@ -331,6 +331,8 @@ def test_stream_disconnect_frees_the_request(smollm2_server):
     body = {"model": server.model, "input": "Write a long story.", "max_output_tokens": 2000, "temperature": 0,
             "stream": True, "text": {"format": fmt}}
     with httpx.Client(timeout=60) as http:
+        short = http.post(server.url + "/v1/responses", json={**body, "stream": False, "max_output_tokens": 16})
+        assert short.json()["status"] == "incomplete"  # the grammar holds it: it cannot end early by itself
         with http.stream("POST", server.url + "/v1/responses", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             chunks, deltas = [], 0
