@@ -72,6 +72,10 @@ MAX_CACHE_SALT_CHARS = 360  # a request's prefix-cache salt ("tenant:" or "group
 MAX_STRUCTURED_CHARS = 64 << 10  # a JSON schema, regex, choice list, grammar or tool set as its constraint's text
 MAX_LOGIT_BIAS_ENTRIES = 1024  # entries of `logit_bias` (OpenAI: token id -> bias in [-100, 100])
 MAX_TOOLS = 128  # functions in `tools`
+# a Responses API request's `metadata` (OpenAI's limits: it is echoed in every response and stream event)
+MAX_METADATA_ENTRIES = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars a worker keeps (xgrammar's cache, least recently used out)
 # structured outputs' time budgets (inferd/engine/grammar_budget.py, grammar_compile.py): an ambiguous grammar of a few
 # dozen characters (root ::= x*, x ::= "a" | "aa" | x x) costs its matcher ~n^3 per token, and a large one can

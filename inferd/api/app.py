@@ -17,10 +17,24 @@ from .middleware.body import BodyLimit
 from .middleware.loopback import LoopbackOnly
 from .middleware.request_context import RequestContext
 from .middleware.request_counter import RequestCounter
-from .routes import admin, batches, dashboard, embeddings, files, generation, health, lora, messages, models, tokenize
+from .routes import (
+    admin,
+    batches,
+    dashboard,
+    embeddings,
+    files,
+    generation,
+    health,
+    lora,
+    messages,
+    models,
+    responses,
+    tokenize,
+)
 from .state import ServerState
 
-ROUTERS = (files, batches, generation, messages, embeddings, models, lora, tokenize, health, dashboard, admin)
+ROUTERS = (files, batches, generation, responses, messages, embeddings, models, lora, tokenize, health, dashboard,
+           admin)
 
 
 def build_app(state: ServerState):

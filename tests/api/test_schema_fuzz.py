@@ -51,6 +51,9 @@ GENERATED = {
     "POST /v1/chat/completions": 12,
     "POST /v1/messages": 6,
     "POST /v1/messages/count_tokens": 3,
+    "POST /v1/responses": 2,  # its minimal example, {"input": ""}, generates to the end of the context
+    "GET /v1/responses/{response_id}": 1,
+    "DELETE /v1/responses/{response_id}": 1,
     "POST /tokenize": 6,
     "POST /detokenize": 5,
     "GET /v1/models": 1,
@@ -87,6 +90,10 @@ EXPLICIT = {
         {"body": {"model": MODEL, "messages": MSG, "max_tokens": 3, "stream": True}},
     ],
     "POST /v1/messages/count_tokens": [{"body": {"model": MODEL, "messages": MSG}}],
+    "POST /v1/responses": [
+        {"body": {"model": MODEL, "input": MSG, "instructions": "be brief", "max_output_tokens": 4}},
+        {"body": {"model": MODEL, "input": "hi", "max_output_tokens": 3, "stream": True}},
+    ],
     "POST /tokenize": [{"body": {"model": MODEL, "prompt": "hello"}}, {"body": {"messages": MSG}}],
     "POST /detokenize": [{"body": {"model": MODEL, "tokens": [1, 2, 3]}}],
     "GET /v1/models/{model_id}": [{"path_parameters": {"model_id": MODEL}}],

@@ -7,9 +7,9 @@ from .auth import PUBLIC_PATHS
 
 # the routes counted by their own path; any other path counts as "other" (a client must not mint label values)
 KNOWN_ROUTES = ("/admin/workers", "/admin/rollout", "/admin/rollout/start", "/admin/rollout/promote",
-                "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-                "/v1/messages/count_tokens", "/v1/models", "/tokenize",
-                "/detokenize", "/v1/embeddings", "/v1/files", "/v1/batches", *PUBLIC_PATHS)
+                "/admin/rollout/abort", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/files",
+                "/v1/batches", *PUBLIC_PATHS)
 
 
 class RequestCounter:
