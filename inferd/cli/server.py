@@ -58,7 +58,7 @@ def run_http_server(args: argparse.Namespace, model_path: str, **backend) -> int
                         http_keep_alive=args.http_keep_alive,
                         worker_secret=worker_secret, metrics_key=metrics_key,
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window,
-                        rollout=rollout_targets(args),
+                        rollout=rollout_targets(args) if hasattr(args, "rollout_min_requests") else None,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                         allow_grammar=not args.no_grammar,
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
