@@ -116,6 +116,11 @@ def add_server_args(p: argparse.ArgumentParser, rollouts: bool = True) -> None:
                    help="refuse the free-form `grammar` kind of structured outputs (EBNF: structured_outputs.grammar, "
                         "guided_grammar), whose matching cost the client controls, from every tenant (a 400 "
                         "grammar_disabled); a tenant alone: allow_grammar false in the keys file")
+    p.add_argument("--disable-any-whitespace", action="store_true",
+                   help="JSON structured outputs (schemas, json_object) leave the model no whitespace of its own "
+                        "choosing: separators ', ' and ': ' (vLLM's disable_any_whitespace); default: a little "
+                        "(at most 2 in a row); a request may ask either way "
+                        "(structured_outputs.disable_any_whitespace)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
                    "default: $INFERD_API_KEY, else no key")
     p.add_argument("--api-key-file", default=None, metavar="FILE", help="read --api-key from a file (out of `ps`)")

@@ -60,7 +60,7 @@ def run_http_server(args: argparse.Namespace, model_path: str, **backend) -> int
                         autoscale_local=getattr(args, "autoscale", False), autoscale_window=args.autoscale_window,
                         rollout=rollout_targets(args) if hasattr(args, "rollout_min_requests") else None,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        allow_grammar=not args.no_grammar,
+                        allow_grammar=not args.no_grammar, disable_any_whitespace=args.disable_any_whitespace,
                         state_dir=None if args.state_dir == "" else (args.state_dir or default_state_dir()),
                         batch_concurrency=args.batch_concurrency,
                         batch_storage_per_tenant=args.batch_storage_per_tenant or None,
