@@ -142,14 +142,25 @@ class Metrics:
         """Exports each tenant's quota (tenants(): name -> Tenant, read at scrape time, so a reloaded keys file
         shows at once)."""
         if self._tenants is None:
-            self.registry.register(_TenantCollector(lambda: self._tenants()))
+            self.registry.register(_TenantCollector(lambda: self._known_tenants()))
         self._tenants = tenants
+        self._known_tenants()
+
+    def _known_tenants(self) -> dict:
+        """The tenants, each one's usage counters exported at zero before its first request (a tenant a reloaded keys
+        file adds: from the next scrape on, as this runs while one is collected)."""
+        tenants = self._tenants() if self._tenants is not None else {}
+        for name in tenants:
+            self.tenant_tokens.labels(name)
+            self.tenant_service.labels(name)
+        return tenants
 
     def watch_gateway(self, gateway) -> None:
         """Exports what the gateway's admitted requests hold (read at scrape time): the room and leases that must all
         come back when the requests end."""
         if self._gateway is None:
-            self.registry.register(_GatewayCollector(lambda: self._gateway))
+            self.registry.register(_GatewayCollector(lambda: self._gateway,
+                                                     lambda: self._tenants() if self._tenants is not None else {}))
         self._gateway = gateway
 
     def render(self, tenants: bool = True) -> bytes:
@@ -212,8 +223,9 @@ class _GatewayCollector:
     """Open requests (admitted, not finished), the worker room they take, per tenant what they reserved, and the
     concurrency leases the in-process limiter holds."""
 
-    def __init__(self, gateway: Callable[[], object | None]):
+    def __init__(self, gateway: Callable[[], object | None], tenants: Callable[[], dict]):
         self.gateway = gateway
+        self.tenants = tenants  # the known ones: exported at zero while they hold nothing
 
     def describe(self):
         return []
@@ -233,7 +245,8 @@ class _GatewayCollector:
                                           labels=["tenant"])
         reserved = GaugeMetricFamily("inferd_tenant_reserved_tokens", "Tokens a tenant's open requests reserved",
                                      labels=["tenant"])
-        for tenant, (count, tokens) in sorted(g.open_by_tenant.items()):
+        by_tenant = {**dict.fromkeys(self.tenants(), (0, 0)), **g.open_by_tenant}
+        for tenant, (count, tokens) in sorted(by_tenant.items()):
             open_requests.add_metric([tenant], count)
             reserved.add_metric([tenant], tokens)
         yield open_requests

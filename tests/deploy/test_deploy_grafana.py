@@ -151,7 +151,7 @@ def test_every_series_the_dashboard_reads_has_a_sample_before_any_request(dashbo
     """On a server that has served no generation (this module alone starts the session's tiny_server fresh), every
     series the dashboard reads has a sample: labelled ones exported at zero for every known label value (tiers,
     admission outcomes, finish and replay reasons, routes). Per-tenant series are left out: tenants come from a keys
-    file, which tiny_server has none of."""
+    file, which tiny_server has none of (tests/gateway/test_tenant_metrics.py checks an idle tenant's)."""
     used = {name for e in expressions(dashboard) for name in metric_names(e) if not name.startswith("inferd_tenant_")}
     assert {"inferd_gateway_admissions_total", "inferd_queue_requests", "inferd_replays_total"} <= used
     # the workers' and engine's series appear with the worker's first heartbeat (0.1 s here)
