@@ -115,6 +115,11 @@ def content_format(kind: str, text: str) -> dict:
     if kind == "json_object":
         return {"type": "json_schema", "json_schema": json.loads(JSON_OBJECT_SCHEMA),
                 "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    if kind in ("json_compact", "json_object_compact"):  # the structural tag's json_schema has no compact option
+        import xgrammar
+
+        schema = JSON_OBJECT_SCHEMA if kind.startswith("json_object") else text
+        return {"type": "grammar", "grammar": str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))}
     if kind == "regex":
         return {"type": "regex", "pattern": text}
     if kind == "grammar":

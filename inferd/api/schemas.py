@@ -62,6 +62,8 @@ class StructuredOutputs(_Strict):
                                       "tenant (allow_grammar: false) turned this kind off")
     json_object: StrictBool | None = None
     structural_tag: StrictStr | dict[str, Any] | None = None
+    disable_any_whitespace: StrictBool | None = Field(None, description="JSON (a schema, json_object, or "
+                                                      "response_format's): no whitespace of the model's choosing")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

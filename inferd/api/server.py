@@ -95,6 +95,7 @@ class ServeOptions:
     tool_call_parser: str | None = None  # config.TOOL_CALL_PARSERS; None: from the chat template (api/tools.py)
     reasoning_parser: str | None = None  # config.REASONING_PARSERS; None: no reasoning split off (api/reasoning.py)
     allow_grammar: bool = True  # False (--no-grammar): the `grammar` kind of structured outputs is refused
+    disable_any_whitespace: bool = False  # True: JSON constraints compile compact (--disable-any-whitespace)
     state_dir: str | None = None  # the Batch API's SQLite and files; None: the Batch API is off
     batch_concurrency: int = DEFAULT_BATCH_CONCURRENCY  # the most batch lines in flight at once
     batch_storage_per_tenant: int | None = BATCH_STORAGE_PER_TENANT  # bytes of Batch API files a tenant keeps
@@ -520,7 +521,8 @@ async def _load_serving(state, opts: ServeOptions) -> None:
     # on a thread: harmony's vocabulary may be written and loaded here (api/harmony.py: a second or so)
     state.serving = await asyncio.to_thread(OpenAIServing, state.router, tokenizer, opts.served_model_name,
                                             state.metrics, tool_call_parser=opts.tool_call_parser,
-                                            allow_grammar=opts.allow_grammar, reasoning_parser=opts.reasoning_parser)
+                                            allow_grammar=opts.allow_grammar, reasoning_parser=opts.reasoning_parser,
+                                            disable_any_whitespace=opts.disable_any_whitespace)
     state.serving.embedding_models = {spec.name for spec in opts.embedding_models}
     if opts.lora is not None:
         await _load_adapters(state, opts)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..config import MAX_CHOICES_PER_REQUEST, TOKENIZE_INLINE_MAX_CHARS
 from ..engine.request import SamplingParams
+from ..engine.structured import compact as compact_kind
 from ..gateway.router import Router
 from ..models.tokenizer import Tokenizer
 from ..telemetry.metrics import Metrics
@@ -78,8 +79,9 @@ class OpenAIServing:
 
     def __init__(self, router: Router, tokenizer: Tokenizer, model_name: str, metrics: Metrics,
                  tool_call_parser: str | None = None, allow_grammar: bool = True,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, disable_any_whitespace: bool = False):
         self.router = router
+        self.compact_json = disable_any_whitespace  # JSON constraints compile compact (--disable-any-whitespace)
         # the free-form `grammar` kind of structured outputs (EBNF: the one whose cost a client controls most), server
         # wide (--no-grammar); a tenant may also be refused it (its keys-file entry's allow_grammar)
         self.allow_grammar = allow_grammar
@@ -279,6 +281,9 @@ class OpenAIServing:
         """The (kind, text) grammar that response_format, structured_outputs or vLLM's guided_* ask for (at most
         one of them), parsed here so that a bad one is a 400 before the request is admitted."""
         found: list[tuple[str, tuple[str, str]]] = []
+        # JSON without whitespace of the model's choosing (engine/structured.py); not the default for `strict`
+        # schemas either: it measured no better (docs/benchmarks.md, issue 31)
+        compact = self.compact_json
         rf = req.response_format
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", ("json_object", "")))
@@ -301,6 +306,9 @@ class OpenAIServing:
                      if v is not None]
             if so.json_object:
                 given.append(("json_object", ""))
+            if so.disable_any_whitespace is not None:  # the request's own choice wins
+                compact = so.disable_any_whitespace
+        if so is not None and (given or so.disable_any_whitespace is None):  # alone, it shapes response_format's
             if len(given) != 1:
                 raise invalid("structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
                               "structural_tag", param="structured_outputs")
@@ -316,6 +324,8 @@ class OpenAIServing:
             raise invalid(f"{found[0][0]} and {found[1][0]} both constrain the output: give one of them",
                           param=found[1][0])
         param, spec = found[0]
+        if compact:
+            spec = (compact_kind(spec[0]), spec[1])
         self._check_spec(spec, param)
         return spec
 

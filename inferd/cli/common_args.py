@@ -83,7 +83,7 @@ def add_gateway_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-root", default=None, metavar="DIR", help="adapters only from under this folder")
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+def add_server_args(p: argparse.ArgumentParser, rollouts: bool = True) -> None:
     """The HTTP server's options, shared by serve and gateway."""
     add_worker_secret_args(p)
     p.add_argument("--host", default=DEFAULT_HOST)
@@ -116,6 +116,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="refuse the free-form `grammar` kind of structured outputs (EBNF: structured_outputs.grammar, "
                         "guided_grammar), whose matching cost the client controls, from every tenant (a 400 "
                         "grammar_disabled); a tenant alone: allow_grammar false in the keys file")
+    p.add_argument("--disable-any-whitespace", action="store_true",
+                   help="JSON structured outputs (schemas, json_object) leave the model no whitespace of its own "
+                        "choosing: separators ', ' and ': ' (vLLM's disable_any_whitespace); default: a little "
+                        "(at most 2 in a row); a request may ask either way "
+                        "(structured_outputs.disable_any_whitespace)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY); "
                    "default: $INFERD_API_KEY, else no key")
     p.add_argument("--api-key-file", default=None, metavar="FILE", help="read --api-key from a file (out of `ps`)")
@@ -144,6 +149,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--autoscale-window", type=positive_float, default=DEFAULT_AUTOSCALE_WINDOW_S,
                    help="seconds over which the token arrival rate is measured (default "
                    f"{DEFAULT_AUTOSCALE_WINDOW_S:g})")
+    if rollouts:
+        add_rollout_args(p)
+    else:
+        refuse_rollout_args(p)
+    add_gateway_args(p)
+
+
+ROLLOUT_FLAGS = ("--rollout-min-requests", "--rollout-min-seconds", "--rollout-max-error-increase",
+                 "--rollout-max-latency-ratio", "--no-auto-promote")
+
+
+def add_rollout_args(p: argparse.ArgumentParser) -> None:
+    """The rollout targets (`inferd serve`: a rollout starts the new version's workers, so it needs local ones)."""
     r = p.add_argument_group("rollouts (inferd rollout)")
     r.add_argument("--rollout-min-requests", type=int, default=DEFAULT_ROLLOUT_MIN_REQUESTS,
                    help="canary requests finished before a rollout is promoted or rolled back automatically "
@@ -159,7 +177,26 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_ROLLOUT_MAX_LATENCY_RATIO:g})")
     r.add_argument("--no-auto-promote", action="store_true",
                    help="a canary that meets its targets waits for `inferd rollout promote`")
-    add_gateway_args(p)
+
+
+class _Refused(argparse.Action):
+    """A flag this command takes no value of: an error naming why, not argparse's bare 'unrecognized arguments'."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.why}")
+
+
+def refuse_rollout_args(p: argparse.ArgumentParser) -> None:
+    """`inferd gateway`: its workers run elsewhere and a rollout needs local ones, so its rollout flags would do
+    nothing: refused."""
+    for flag in ROLLOUT_FLAGS:
+        p.add_argument(flag, action=_Refused, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                       why="rollouts run on `inferd serve` (they start the new version's local workers); "
+                       "`inferd gateway`'s workers run elsewhere, so it has no rollouts")
 
 
 def add_autoscaler_arguments(a, capacity_help: str) -> None:

@@ -16,7 +16,7 @@ from .types import tier_shares_arg
 def register(sub) -> None:
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP server in front of workers that run elsewhere "
                         "(inferd worker --listen HOST:PORT)")
-    add_server_args(gw)
+    add_server_args(gw, rollouts=False)  # no local workers: no rollouts
     gw.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                     help="a worker to connect to (repeat for several); with --redis, registered workers join too")
     gw.add_argument("--model", default=None, help="the workers' model (HF folder or .gguf): its tokenizer is "

@@ -3,6 +3,9 @@
 A constrained request carries `SamplingParams.structured = (kind, text)`:
 - ``json``: a JSON schema (the text is the schema's JSON), ``json_object``: any JSON object (text ignored; OpenAI's
   JSON mode),
+- ``json_compact``, ``json_object_compact``: the same, compact: no whitespace of the model's choosing, the
+  separators fixed as ", " and ": " (vLLM's disable_any_whitespace; `--disable-any-whitespace`, per request
+  structured_outputs.disable_any_whitespace),
 - ``regex``, ``choice`` (the text is a JSON list of strings: exactly one of them), ``grammar`` (EBNF, GBNF-style as
   xgrammar and llama.cpp read it), ``structural_tag`` (xgrammar's structural tag JSON: the tool-call formats).
 
@@ -29,11 +32,24 @@ from .errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+KINDS = ("json", "json_object", "json_compact", "json_object_compact", "regex", "choice", "grammar", "structural_tag")
+COMPACT = "_compact"  # the suffix of a JSON kind without free whitespace
 # JSON schemas compile with a bounded run of whitespace between tokens: a small model at temperature 1 otherwise
 # loses itself in newlines inside an object that it never closes (vLLM's disable-any-whitespace, as a bound)
 JSON_MAX_WHITESPACE = 2
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def compact(kind: str) -> str:
+    """The compact variant of a JSON kind (json, json_object); any other kind as it is."""
+    return kind + COMPACT if kind in ("json", "json_object") else kind
+
+
+def json_options(kind: str) -> dict:
+    """xgrammar's JSON-schema options of a JSON kind: whitespace of the model's choosing (bounded), or compact."""
+    if kind.endswith(COMPACT):
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 
 
 def _xgr():
@@ -75,14 +91,14 @@ def check_spec(kind: Any, text: Any, param: str = "structured_outputs") -> None:
 def _check_cached(kind: str, text: str, param: str) -> None:
     xgr = _xgr()
     try:
-        if kind == "json":
+        if kind in ("json", "json_compact"):
             try:
                 schema = json.loads(text)
             except ValueError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object (or a boolean)")
-            xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            xgr.Grammar.from_json_schema(text, **json_options(kind))
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "choice":
@@ -105,10 +121,10 @@ def compile_constraint(compiler, kind: str, text: str):
     """The CompiledGrammar of (kind, text) from an xgrammar GrammarCompiler (in a compile process:
     grammar_compile.py)."""
     c = compiler
-    if kind == "json":
-        return c.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-    if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar also allows arrays, scalars)
-        return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if kind in ("json", "json_object", "json_compact", "json_object_compact"):
+        # json_object: any JSON object (xgrammar's builtin JSON grammar also allows arrays, scalars)
+        schema = JSON_OBJECT_SCHEMA if kind.startswith("json_object") else text
+        return c.compile_json_schema(schema, **json_options(kind))
     if kind == "regex":
         return c.compile_regex(text)
     if kind == "choice":

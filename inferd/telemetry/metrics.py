@@ -19,6 +19,16 @@ TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07
 UTILIZATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
+# every value a labelled series takes, exported at zero from the start: a fresh server's /metrics then has the series
+# the dashboard and absent() alerts query, instead of nothing until the first request of each kind
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort")  # engine's FinishReason + the API's tool_calls
+ADMISSION_OUTCOMES = ("admitted", "overloaded", "queue_share", "shed", "queue_timeout", "replayed", "replay_failed",
+                      "rate_limited_requests", "rate_limited_tokens", "rate_limited_concurrency",
+                      "rate_limited_too_large")  # inferd/gateway/admission.py, failover.py; limits' reasons
+REPLAY_REASONS = ("worker_lost", "drain")
+BATCH_LINE_OUTCOMES = ("ok", "error", "retried", "invalid")
+REFUSING_ENDPOINTS = ("chat", "completions", "embeddings")
+
 
 class Metrics:
     def __init__(self, model: str, engine_stats: Callable[[], object | None] = lambda: None,
@@ -115,19 +125,42 @@ class Metrics:
                                           "nothing for --sse-write-timeout", registry=r)
         self._gateway = None
         self._tenants = None
+        self._export_known_labels()
+
+    def _export_known_labels(self) -> None:
+        """Every known label value's series at zero (a labelled family has no sample until .labels() is called)."""
+        from ..config import TIERS
+
+        for family, values in ((self.finished, FINISH_REASONS), (self.admissions, ADMISSION_OUTCOMES),
+                               (self.replays, REPLAY_REASONS), (self.batch_lines, BATCH_LINE_OUTCOMES),
+                               (self.refused_after_tokenizing, REFUSING_ENDPOINTS), (self.queue_requests, TIERS),
+                               (self.queue_tier_tokens, TIERS), (self.tier_generated, TIERS)):
+            for value in values:
+                family.labels(value)
 
     def watch_tenants(self, tenants: Callable[[], dict]) -> None:
         """Exports each tenant's quota (tenants(): name -> Tenant, read at scrape time, so a reloaded keys file
         shows at once)."""
         if self._tenants is None:
-            self.registry.register(_TenantCollector(lambda: self._tenants()))
+            self.registry.register(_TenantCollector(lambda: self._known_tenants()))
         self._tenants = tenants
+        self._known_tenants()
+
+    def _known_tenants(self) -> dict:
+        """The tenants, each one's usage counters exported at zero before its first request (a tenant a reloaded keys
+        file adds: from the next scrape on, as this runs while one is collected)."""
+        tenants = self._tenants() if self._tenants is not None else {}
+        for name in tenants:
+            self.tenant_tokens.labels(name)
+            self.tenant_service.labels(name)
+        return tenants
 
     def watch_gateway(self, gateway) -> None:
         """Exports what the gateway's admitted requests hold (read at scrape time): the room and leases that must all
         come back when the requests end."""
         if self._gateway is None:
-            self.registry.register(_GatewayCollector(lambda: self._gateway))
+            self.registry.register(_GatewayCollector(lambda: self._gateway,
+                                                     lambda: self._tenants() if self._tenants is not None else {}))
         self._gateway = gateway
 
     def render(self, tenants: bool = True) -> bytes:
@@ -190,8 +223,9 @@ class _GatewayCollector:
     """Open requests (admitted, not finished), the worker room they take, per tenant what they reserved, and the
     concurrency leases the in-process limiter holds."""
 
-    def __init__(self, gateway: Callable[[], object | None]):
+    def __init__(self, gateway: Callable[[], object | None], tenants: Callable[[], dict]):
         self.gateway = gateway
+        self.tenants = tenants  # the known ones: exported at zero while they hold nothing
 
     def describe(self):
         return []
@@ -211,7 +245,8 @@ class _GatewayCollector:
                                           labels=["tenant"])
         reserved = GaugeMetricFamily("inferd_tenant_reserved_tokens", "Tokens a tenant's open requests reserved",
                                      labels=["tenant"])
-        for tenant, (count, tokens) in sorted(g.open_by_tenant.items()):
+        by_tenant = {**dict.fromkeys(self.tenants(), (0, 0)), **g.open_by_tenant}
+        for tenant, (count, tokens) in sorted(by_tenant.items()):
             open_requests.add_metric([tenant], count)
             reserved.add_metric([tenant], tokens)
         yield open_requests

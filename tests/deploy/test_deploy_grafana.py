@@ -141,6 +141,34 @@ def test_every_metric_the_dashboard_reads_is_exported(dashboard, tiny_server):
     assert not missing, f"the dashboard reads metrics the server does not export: {sorted(missing)}"
 
 
+def sampled_names(text: str) -> set[str]:
+    """The series names a /metrics page has a sample of (a labelled family announced by its TYPE line alone is not
+    one: a panel or an absent() alert over it sees nothing)."""
+    return {re.split(r"[{\s]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_series_the_dashboard_reads_has_a_sample_before_any_request(dashboard, tiny_server):
+    """On a server that has served no generation (this module alone starts the session's tiny_server fresh), every
+    series the dashboard reads has a sample: labelled ones exported at zero for every known label value (tiers,
+    admission outcomes, finish and replay reasons, routes). Per-tenant series are left out: tenants come from a keys
+    file, which tiny_server has none of (tests/gateway/test_tenant_metrics.py checks an idle tenant's)."""
+    used = {name for e in expressions(dashboard) for name in metric_names(e) if not name.startswith("inferd_tenant_")}
+    assert {"inferd_gateway_admissions_total", "inferd_queue_requests", "inferd_replays_total"} <= used
+    # the workers' and engine's series appear with the worker's first heartbeat (0.1 s here)
+    deadline = time.monotonic() + 30
+    while True:
+        missing = used - sampled_names(tiny_server_metrics_text(tiny_server))
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not missing, f"series the dashboard reads with no sample on an idle server: {sorted(missing)}"
+
+
+def tiny_server_metrics_text(server) -> str:
+    headers = {"Authorization": f"Bearer {server.metrics_key}"} if server.metrics_key else None
+    return httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
+
+
 def test_the_dashboard_covers_the_operators_questions(dashboard):
     """The series the issue asks for are on it (a panel removed by mistake fails here)."""
     used = set().union(*(metric_names(e) for e in expressions(dashboard)))

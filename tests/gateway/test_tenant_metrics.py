@@ -17,9 +17,9 @@ ADMIN = "tenant-metrics-admin-key"
 @pytest.fixture(scope="module")
 def server(serve, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys = make_keys(path, {"acme": {"tpm": 100_000, "tier": "interactive"}, "globex": {}})
+    keys = make_keys(path, {"acme": {"tpm": 100_000, "tier": "interactive"}, "globex": {}, "initech": {}})
     srv = serve("--keys", str(path), "--admin-key", ADMIN)
-    for tenant in keys:
+    for tenant in ("acme", "globex"):  # initech sends nothing
         assert completion(srv, keys[tenant], "hello", 2).status_code == 200
     srv.keys = keys
     return srv
@@ -46,6 +46,14 @@ def test_metrics_without_a_key_hide_the_tenants(server):
     assert 'inferd_tenant_tokens_total{tenant="acme"}' in text
     assert 'inferd_tenant_quota{limit="tpm",tenant="acme"}' in text
     assert 'inferd_tenant_tier{tenant="acme",tier="interactive"}' in text
+
+
+def test_a_tenant_that_sent_nothing_has_its_series_at_zero(server):
+    """Every tenant the keys file names is exported from the start (panels and absent() alerts see it idle)."""
+    text = _metrics(server, bearer(ADMIN))
+    for family in ("inferd_tenant_tokens_total", "inferd_tenant_service_total", "inferd_tenant_open_requests",
+                   "inferd_tenant_reserved_tokens"):
+        assert f'{family}{{tenant="initech"}} 0.0' in text, family
 
 
 def test_the_dashboards_data_without_the_metrics_or_admin_key_hides_the_tenants(server):

@@ -16,6 +16,8 @@ class RequestCounter:
     def __init__(self, app, metrics):
         self.app = app
         self.metrics = metrics
+        for route in KNOWN_ROUTES:  # at zero from the start: a fresh server's request panels show 0, not nothing
+            metrics.requests.labels(route, "200")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

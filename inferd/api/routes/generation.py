@@ -24,7 +24,7 @@ _SSE_EVENT = {"type": "object", "required": ["data"],
 def _generation_responses(model) -> dict:
     return {200: {"model": model, "description": "The response, or with stream=true a text/event-stream of chunks",
                   "content": {"text/event-stream": {"itemSchema": _SSE_EVENT}}},
-            **documented_errors(400, 401, 404, 413, 503)}
+            **documented_errors(400, 401, 404, 413, 429, 503)}  # 429: the tenant's limits, its queue share
 
 
 @router.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))

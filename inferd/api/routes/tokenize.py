@@ -15,7 +15,9 @@ from . import documented_errors
 router = APIRouter()
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=documented_errors(400, 401, 404, 413, 503))
+# 429: a tokenization counts against the tenant's request rate (charge_request); /detokenize charges nothing
+@router.post("/tokenize", response_model=TokenizeResponse,
+             responses=documented_errors(400, 401, 404, 413, 429, 503))
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = request.app.state.inferd
     serving = state.require_serving()
