@@ -211,7 +211,7 @@ class OpenAIServing:
         self._check_vocab(prompts)
         echo_only = bool(req.echo) and req.max_tokens == 0
         if req.max_tokens == 0 and not echo_only:
-            raise invalid("max_tokens 0 returns nothing without echo: true", param="max_tokens")
+            raise invalid("max_tokens 0 returns nothing without echo: true", param="max_tokens", code="invalid_value")
         # echo_only: the engine samples one token (the prompt's last position runs anyway), which is dropped
         prep = self._prepare(False, "cmpl-", req, prompts, 1 if echo_only else req.max_tokens, req.logprobs,
                              received_at, spec)

@@ -65,7 +65,7 @@ INVALID_400 = [
     ("/v1/completions", completion(prompt=None), "prompt", "any"),
     ("/v1/completions", {"model": "tiny-llama", "max_tokens": 4}, "prompt", "invalid_value"),
     ("/v1/completions", completion(frobnicate=1), "frobnicate", "unknown_parameter"),
-    ("/v1/completions", completion(echo=True), "echo", "unsupported_parameter"),
+    ("/v1/completions", completion(max_tokens=0), "max_tokens", "invalid_value"),  # (with echo: the prompt alone)
     ("/v1/completions", completion(best_of=3), "best_of", "unsupported_parameter"),
     ("/v1/completions", completion(suffix="x"), "suffix", "unsupported_parameter"),
     ("/v1/completions", completion(logit_bias={"x": 10}), "logit_bias", "any"),
