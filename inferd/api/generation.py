@@ -317,7 +317,9 @@ class Generation:
                 choice.finish_reason = "length"
             if choice.finished:
                 self._observe_finish(choice, now)
-            return self._with_echo(choice, "", [])
+            delta, entries = self._echo(choice, "", [])
+            self._keep(choice, delta, entries, "")
+            return delta, entries, [], ""
         delta, matched = choice.text.add(out.new_token_ids, final=out.finished)
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
@@ -348,19 +350,20 @@ class Generation:
         if choice.finished:
             self._observe_finish(choice, now)
         if self.prep.echo:
-            delta, entries, _, _ = self._with_echo(choice, delta, entries, keep=False)
+            delta, entries = self._echo(choice, delta, entries)
+        self._keep(choice, delta, entries, reasoning)
+        return delta, entries, calls, reasoning
+
+    def _keep(self, choice: ChoiceState, delta: str, entries: list, reasoning: str) -> None:
         if not self.prep.stream:  # a stream's text and logprobs are not kept once queued for the client
             choice.logprobs.extend(entries)
             if delta:
                 choice.pieces.append(delta)
             if reasoning:
                 choice.reasoning_pieces.append(reasoning)
-        return delta, entries, calls, reasoning
 
-    def _with_echo(self, choice: ChoiceState, delta: str, entries: list, keep: bool = True
-                   ) -> tuple[str, list, list, str]:
-        """echo: the prompt's text (and its logprob entries, the first without one) lead the choice's first event.
-        keep: the result is kept for a non-streaming response here (the echo-only path)."""
+    def _echo(self, choice: ChoiceState, delta: str, entries: list) -> tuple[str, list]:
+        """echo: the prompt's text (and its logprob entries, the first without one) lead the choice's first event."""
         if not choice.echoed:
             choice.echoed = True
             prompt = self.prep.prompts[self.prep.prompt_of[choice.index]]
@@ -369,11 +372,7 @@ class Generation:
                 given = choice.prompt_logprobs or []
                 entries = [(t, None, None) if p >= len(given) or given[p] is None else
                            (t, given[p].logprob, given[p].top) for p, t in enumerate(prompt)] + entries
-        if keep and not self.prep.stream:
-            choice.logprobs.extend(entries)
-            if delta:
-                choice.pieces.append(delta)
-        return delta, entries, [], ""
+        return delta, entries
 
     def _observe_finish(self, choice: ChoiceState, now: float) -> None:
         m = self.serving.metrics
